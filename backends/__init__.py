@@ -1,0 +1,1 @@
+"""llmc's backends: emit a compiled plan as deployable artifacts (ONNX first)."""

@@ -1,0 +1,56 @@
+"""Writing a bundle directory atomically, and its manifest.
+
+Everything is written into a hidden temporary folder next to the destination
+and renamed into place at the end, so an interrupted or failed compile never
+leaves a half bundle. Output is deterministic: the same inputs give
+byte-identical files (sorted JSON, no timestamps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from llmc.errors import CompileError
+from llmc.runtime.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
+
+
+@contextlib.contextmanager
+def atomic_directory(out: str | Path) -> Iterator[Path]:
+    out = Path(out).absolute()
+    if out.exists() and not out.is_dir():
+        raise CompileError(f"output {out} exists and is not a directory", hint="choose another -o")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise CompileError(f"output {out} is a non-empty directory that is not an llmc bundle; refusing to replace it",
+                           hint="choose another -o, or remove the directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.rename(out, old / "bundle")
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    """Hash every file under ``root`` into the manifest and write it last."""
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            rel = p.relative_to(root).as_posix()
+            files[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    body = {"schema_version": SCHEMA_VERSION, **manifest, "files": files}
+    (root / MANIFEST).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")

@@ -1,0 +1,218 @@
+"""ONNX backend: one static ONNX model per subgraph instance, weights stored once.
+
+For every :class:`~llmc.analyses.Subgraph` of the :class:`~llmc.analyses.ChunkPlan`
+this writes ``graphs/<name>.r<rows>.onnx`` for each row count (C for prefill, 1
+for decode / last-token logits). All weights live once in ``weights/weights.bin``
+(64-byte aligned); every graph declares them as ONNX external-data initializers
+with ``location = "weights/weights.bin"`` relative to the *bundle root*, and the
+runtime binds them by name from one shared memory map. (ONNX Runtime refuses
+external data outside a model's own folder, so the graphs are loaded through the
+runtime, not by path.)
+
+Op lowering (opset 23):
+
+==============  ==========================================================
+IR op           ONNX
+==============  ==========================================================
+Linear          Gemm(x, W, b, transB=1) — W stays [out, in], shared with a tied embedding
+RMSNorm         RMSNormalization(x, offset + w, axis=-1)
+LayerNorm       LayerNormalization(x, w, b, axis=-1)
+Act             Sigmoid·x (silu), Gelu(approximate=none|tanh)
+Add / Mul       Add / Mul
+Scale           Mul by a scalar constant
+Slice           Slice on axis 1
+==============  ==========================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from llmc import __version__
+from llmc.analyses import ChunkPlan, Subgraph
+from llmc.errors import UnsupportedModelError
+from llmc.ir import Graph, Node, WeightRef
+
+log = logging.getLogger(__name__)
+
+OPSET = 23
+WEIGHTS_FILE = "weights/weights.bin"
+ALIGN = 64
+
+_NP_TO_ONNX = {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6, "int64": 7, "float16": 10}
+
+
+def write_weights(graph: Graph, names: Iterable[str], root: Path) -> dict[str, dict[str, Any]]:
+    """Write the named weights once, in order, into ``weights/weights.bin``; return the table."""
+    table: dict[str, dict[str, Any]] = {}
+    path = root / WEIGHTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    offset = 0
+    with open(path, "wb") as f:
+        for name in names:
+            if name in table:
+                continue
+            ref = graph.weights[name]
+            arr = np.ascontiguousarray(graph.weights.load(name), dtype=np.dtype(ref.dtype))
+            if tuple(arr.shape) != ref.shape:
+                raise UnsupportedModelError(f"weight {name} loads with shape {arr.shape}, the IR says {ref.shape}")
+            pad = (-offset) % ALIGN
+            f.write(b"\0" * pad)
+            offset += pad
+            f.write(arr.tobytes())
+            table[name] = {"file": WEIGHTS_FILE, "offset": offset, "nbytes": arr.nbytes, "dtype": ref.dtype, "shape": list(ref.shape)}
+            offset += arr.nbytes
+    return table
+
+
+class _Builder:
+    def __init__(self, graph: Graph, sub: Subgraph, rows: int, weights: dict[str, dict[str, Any]]) -> None:
+        from onnx import helper
+
+        self.helper = helper
+        self.graph = graph
+        self.sub = sub
+        self.rows = rows
+        self.weights = weights
+        self.nodes: list[Any] = []
+        self.consts: list[Any] = []
+        self.used_weights: list[str] = []
+        self.values = {}
+        for n in (graph.node(x) for x in sub.nodes):
+            for v in list(n.inputs) + list(n.outputs):
+                self.values[v.name] = v
+
+    def weight(self, ref: WeightRef) -> str:
+        if ref.name not in self.used_weights:
+            self.used_weights.append(ref.name)
+        return ref.name
+
+    def const(self, name: str, values: np.ndarray) -> str:
+        from onnx import numpy_helper
+
+        self.consts.append(numpy_helper.from_array(values, name))
+        return name
+
+    def add(self, op: str, inputs: list[str], outputs: list[str], name: str, **attrs: Any) -> None:
+        self.nodes.append(self.helper.make_node(op, inputs, outputs, name=name, **attrs))
+
+    def lower(self, n: Node) -> None:
+        x = [v.name for v in n.inputs]
+        y = [v.name for v in n.outputs]
+        a = n.attrs
+        if n.op == "Linear":
+            ins = x + [self.weight(n.weights["weight"])]
+            if "bias" in n.weights:
+                ins.append(self.weight(n.weights["bias"]))
+            self.add("Gemm", ins, y, n.name, transB=1)
+        elif n.op == "RMSNorm":
+            w = self.weight(n.weights["weight"])
+            if a["offset"]:
+                off = self.const(f"{n.name}.offset", np.array(a["offset"], np.float32))
+                self.add("Add", [w, off], [f"{n.name}.scale"], f"{n.name}.scale")
+                w = f"{n.name}.scale"
+            self.add("RMSNormalization", x + [w], y, n.name, axis=-1, epsilon=float(a["eps"]))
+        elif n.op == "LayerNorm":
+            ins = x + [self.weight(n.weights["weight"])]
+            if "bias" in n.weights:
+                ins.append(self.weight(n.weights["bias"]))
+            self.add("LayerNormalization", ins, y, n.name, axis=-1, epsilon=float(a["eps"]))
+        elif n.op == "Act":
+            if a["kind"] == "silu":
+                self.add("Sigmoid", x, [f"{n.name}.sigmoid"], f"{n.name}.sigmoid")
+                self.add("Mul", [x[0], f"{n.name}.sigmoid"], y, n.name)
+            else:
+                self.add("Gelu", x, y, n.name, approximate="tanh" if a["kind"] == "gelu_tanh" else "none")
+        elif n.op in ("Add", "Mul"):
+            self.add(n.op, x, y, n.name)
+        elif n.op == "Scale":
+            c = self.const(f"{n.name}.value", np.array(a["value"], np.float32))
+            self.add("Mul", x + [c], y, n.name)
+        elif n.op == "Slice":
+            s = self.const(f"{n.name}.starts", np.array([a["start"]], np.int64))
+            e = self.const(f"{n.name}.ends", np.array([a["end"]], np.int64))
+            ax = self.const(f"{n.name}.axes", np.array([1], np.int64))
+            self.add("Slice", x + [s, e, ax], y, n.name)
+        else:
+            raise UnsupportedModelError(f"the ONNX backend has no lowering for static op {n.op} (node {n.name})")
+
+    def value_info(self, name: str):
+        from onnx import TensorProto
+
+        v = self.values[name]
+        return self.helper.make_tensor_value_info(name, _NP_TO_ONNX[v.dtype], [self.rows, *v.shape[1:]])
+
+    def build(self):
+        from onnx import TensorProto
+
+        for name in self.sub.nodes:
+            self.lower(self.graph.node(name))
+        inits = []
+        for wname in self.used_weights:
+            w = self.weights[wname]
+            t = TensorProto()
+            t.name = wname
+            t.data_type = _NP_TO_ONNX[w["dtype"]]
+            t.dims.extend(w["shape"])
+            t.data_location = TensorProto.EXTERNAL
+            for k, val in (("location", w["file"]), ("offset", str(w["offset"])), ("length", str(w["nbytes"]))):
+                e = t.external_data.add()
+                e.key, e.value = k, val
+            inits.append(t)
+        g = self.helper.make_graph(
+            self.nodes,
+            f"{self.sub.name}_r{self.rows}",
+            [self.value_info(n) for n in self.sub.inputs],
+            [self.value_info(n) for n in self.sub.outputs],
+            inits + self.consts,
+        )
+        model = self.helper.make_model(g, opset_imports=[self.helper.make_opsetid("", OPSET)], producer_name="llmc", producer_version=__version__)
+        model.ir_version = 10
+        return model
+
+
+def _check(model, root: Path) -> None:
+    """onnx.checker (with strict shape inference), resolving external data from the bundle root.
+
+    Given a proto, the checker resolves external-data locations against the
+    working directory; the locations are bundle-root relative, so check from there.
+    """
+    import contextlib
+
+    import onnx
+
+    with contextlib.chdir(root):
+        onnx.checker.check_model(model, full_check=True)
+
+
+def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], root: Path) -> dict[str, dict[str, Any]]:
+    """Write every subgraph instance; return the manifest's ``graphs`` table."""
+    import onnx
+
+    (root / "graphs").mkdir(parents=True, exist_ok=True)
+    table: dict[str, dict[str, Any]] = {}
+    for sub in plan.subgraphs:
+        instances = {}
+        for rows in sub.row_counts:
+            b = _Builder(graph, sub, rows, weights)
+            model = b.build()
+            _check(model, root)
+            rel = f"graphs/{sub.name}.r{rows}.onnx"
+            (root / rel).write_bytes(model.SerializeToString(deterministic=True))
+            instances[str(rows)] = {"file": rel, "rows": rows}
+        vals = {v.name: v for n in (graph.node(x) for x in sub.nodes) for v in list(n.inputs) + list(n.outputs)}
+        table[sub.name] = {
+            "placement": "cpu",
+            "nodes": len(sub.nodes),
+            "ops": sorted({graph.node(x).op for x in sub.nodes}),
+            "inputs": [{"name": n, "features": vals[n].shape[1], "dtype": vals[n].dtype} for n in sub.inputs],
+            "outputs": [{"name": n, "features": vals[n].shape[1], "dtype": vals[n].dtype} for n in sub.outputs],
+            "weights": list(sub.weights),
+            "weight_bytes": sum(weights[w]["nbytes"] for w in sub.weights),
+            "instances": instances,
+        }
+    return table

@@ -1,0 +1,235 @@
+"""The ``llmc`` command line. The CLI owns the terminal; library code only logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from llmc import __version__
+
+
+def _fail(e: Exception) -> None:
+    click.echo(f"error: {e}", err=True)
+    hint = getattr(e, "hint", None)
+    if hint:
+        click.echo(f"hint: {hint}", err=True)
+    sys.exit(getattr(e, "exit_code", 1))
+
+
+def _guard(fn):
+    """Turn llmc's own errors into a message, a hint and a non-zero exit code."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from llmc.errors import LlmcError
+        from llmc.runtime.errors import LlmcRuntimeError
+
+        try:
+            return fn(*args, **kwargs)
+        except (LlmcError, LlmcRuntimeError) as e:
+            _fail(e)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="llmc")
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+def cli(verbose: int) -> None:
+    """llmc: compile HuggingFace decoder-only LLMs into chunked static-graph bundles and run them.
+
+    \b
+    llmc compile smollm2-135m --target cpu -o out/
+    llmc run out/ --prompt "The capital of France is"
+    """
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False), help="Bundle directory to write (replaced atomically).")
+@click.option("--target", type=click.Choice(["cpu"]), default="cpu", show_default=True, help="cpu: float32 static graphs on ONNX Runtime.")
+@click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C (rows of the shared static graphs).")
+@click.option("--max-context", type=click.IntRange(1), default=2048, show_default=True, help="Longest prompt + generation the bundle accepts (KV cache size).")
+@click.option("--pipeline", default=None, help="Comma-separated passes to run (see `llmc passes`); default depends on --target.")
+@click.option("--dump-ir", type=click.Path(file_okay=False), default=None, help="Write the IR before and after every pass into this directory.")
+@click.option("--time-passes", is_flag=True, help="Print how long each pass took.")
+@click.option("--quiet", is_flag=True, help="No progress display.")
+@_guard
+def compile(model, out, target, chunk, max_context, pipeline, dump_ir, time_passes, quiet):
+    """Compile MODEL into a bundle.
+
+    MODEL is the bundled name `smollm2-135m`, a HuggingFace model directory, a .gguf
+    file, or a hub id that is already in the local HuggingFace cache (llmc never downloads).
+    """
+    from llmc.compile import STAGES, compile_model
+    from llmc.pass_manager import IRDump, PassTiming
+
+    instruments = []
+    timing = PassTiming()
+    instruments.append(timing)
+    if dump_ir:
+        instruments.append(IRDump(Path(dump_ir)))
+    t0 = time.perf_counter()
+
+    def progress(stage: str) -> None:
+        if not quiet:
+            i = STAGES.index(stage) + 1
+            click.echo(f"[{i}/{len(STAGES)}] {stage:<7} {time.perf_counter() - t0:6.1f}s", err=True)
+
+    summary = compile_model(model, out, target=target, chunk=chunk, max_context=max_context, pipeline=pipeline, instruments=instruments, progress=progress)
+    if time_passes:
+        click.echo("pass timings:", err=True)
+        for name, secs, changed in timing.rows:
+            click.echo(f"  {name:<24} {secs * 1000:9.1f} ms  {'changed' if changed else 'unchanged'}", err=True)
+    click.echo(
+        f"wrote {summary.bundle}: {summary.graphs} static subgraphs ({summary.graph_files} ONNX files), "
+        f"{summary.weight_bytes / 1e6:.1f} MB of weights, pipeline {summary.pipeline}, {time.perf_counter() - t0:.1f}s"
+    )
+
+
+def _make_session(bundle, provider, threads):
+    from llmc.runtime import Session
+
+    return Session(bundle, provider=provider, threads=threads)
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--prompt", default=None, help="Prompt text.")
+@click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids (for bundles without a tokenizer).")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--greedy", "mode", flag_value="greedy", default=True, help="Pick the most likely token (default).")
+@click.option("--sample", "mode", flag_value="sample", help="Sample with --temperature/--top-k/--top-p and --seed.")
+@click.option("--temperature", type=click.FloatRange(0, min_open=True), default=None, help="Sampling temperature (implies --sample).")
+@click.option("--top-k", type=click.IntRange(0), default=0)
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0)
+@click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same tokens).")
+@click.option("--no-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
+@click.option("--provider", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True)
+@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, timings) instead of streaming text.")
+@_guard
+def run(bundle, prompt, prompt_ids, max_new_tokens, mode, temperature, top_k, top_p, seed, no_eos, provider, threads, as_json):
+    """Generate text from a compiled BUNDLE."""
+    from llmc.runtime import Metrics
+
+    if (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt or --prompt-ids")
+    if temperature is not None:
+        mode = "sample"
+    sess = _make_session(bundle, provider, threads)
+    if prompt_ids is not None:
+        try:
+            source = [int(t) for t in prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise click.BadParameter("token ids must be integers separated by commas", param_hint="--prompt-ids")
+    else:
+        source = prompt
+    kw = dict(stop_at_eos=not no_eos)
+    if mode == "sample":
+        kw.update(temperature=temperature or 1.0, top_k=top_k, top_p=top_p, seed=seed)
+    if as_json:
+        res = sess.generate(source, max_new_tokens, **kw)
+        click.echo(json.dumps({
+            "prompt_ids": res.prompt_ids,
+            "token_ids": res.token_ids,
+            "text": res.text,
+            "finish_reason": res.finish_reason,
+            "provider": sess.provider,
+            "timings": res.metrics.as_dict(),
+        }))
+        return
+    metrics = Metrics()
+    for ev in sess.stream(source, max_new_tokens, metrics=metrics, **kw):
+        click.echo(ev.text, nl=False)
+    click.echo()
+    click.echo(
+        f"[{metrics.prompt_tokens} prompt tokens, {metrics.generated_tokens} generated; TTFT {metrics.ttft_s * 1000:.0f} ms, "
+        f"prefill {metrics.prefill_tok_s:.1f} tok/s, decode {metrics.decode_tok_s:.1f} tok/s, peak RSS {metrics.peak_rss_mb:.0f} MB]",
+        err=True,
+    )
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
+@click.option("--no-verify", is_flag=True, help="Skip the SHA-256 check of every file.")
+@_guard
+def inspect(bundle, as_json, no_verify):
+    """Summarise a compiled BUNDLE: graphs, shapes, sizes, schedule."""
+    from llmc.runtime import load_manifest
+
+    m = load_manifest(bundle, verify=not no_verify)
+    files = m["files"]
+    weight_bytes = sum(w["nbytes"] for w in m["weights"].values())
+    graph_bytes = sum(files[i["file"]]["bytes"] for g in m["graphs"].values() for i in g["instances"].values())
+    summary = {
+        "model": m["model"],
+        "target": m["target"],
+        "chunk": m["chunk"],
+        "max_context": m["max_context"],
+        "pipeline": m["pipeline"],
+        "weights": {"count": len(m["weights"]), "bytes": weight_bytes, "files": sorted({w["file"] for w in m["weights"].values()})},
+        "graphs": {
+            name: {"instances": sorted(int(r) for r in g["instances"]), "inputs": [f"{i['name']}[{i['features']}]" for i in g["inputs"]],
+                   "outputs": [f"{o['name']}[{o['features']}]" for o in g["outputs"]], "weight_bytes": g["weight_bytes"], "ops": g["ops"]}
+            for name, g in m["graphs"].items()
+        },
+        "graph_file_bytes": graph_bytes,
+        "program": [s["name"] if s["kind"] == "graph" else f"{s['op']}:{s['name']}" for s in m["program"]],
+        "total_bytes": sum(f["bytes"] for f in files.values()),
+    }
+    if as_json:
+        click.echo(json.dumps(summary, indent=1))
+        return
+    mi = m["model"]
+    click.echo(f"bundle     {bundle}")
+    click.echo(f"model      {mi['architecture']} ({mi['family']}), {mi['num_layers']} layers, hidden {mi['hidden_size']}, vocab {mi['vocab_size']}")
+    click.echo(f"source     {mi['source']}")
+    click.echo(f"target     {m['target']}   chunk {m['chunk']}   max-context {m['max_context']}")
+    click.echo(f"pipeline   {m['pipeline']}")
+    click.echo(f"weights    {len(m['weights'])} tensors, {weight_bytes / 1e6:.1f} MB, stored once in {', '.join(summary['weights']['files'])}")
+    click.echo(f"graphs     {len(m['graphs'])} static subgraphs, {sum(len(g['instances']) for g in m['graphs'].values())} ONNX files, {graph_bytes / 1e3:.1f} kB (weights not included)")
+    for name, g in summary["graphs"].items():
+        click.echo(f"  {name:<10} rows {','.join(map(str, g['instances'])):<8} weights {g['weight_bytes'] / 1e6:8.2f} MB  "
+                   f"in {', '.join(g['inputs'])}  out {', '.join(g['outputs'])}")
+    steps = summary["program"]
+    click.echo(f"program    {len(steps)} steps per chunk: {' -> '.join(steps[:8])}{' -> ...' if len(steps) > 8 else ''}")
+    click.echo(f"total      {summary['total_bytes'] / 1e6:.1f} MB in {len(files)} files")
+
+
+@cli.command()
+def passes():
+    """List the available passes and the default pipeline of each target."""
+    from llmc.passes import ALL_PASSES, DEFAULT_PIPELINES
+
+    for p in ALL_PASSES:
+        click.echo(f"{p.name:<24} {p.summary}")
+    click.echo()
+    for target, pipe in DEFAULT_PIPELINES.items():
+        click.echo(f"default pipeline for --target {target}: {pipe}")
+
+
+@cli.command()
+def ops():
+    """List the IR's LLM-level operators."""
+    from llmc.ops import OPS
+
+    for d in OPS.values():
+        click.echo(f"{d.name:<12} {d.kind:<8} {d.summary}")
+
+
+def main() -> None:
+    cli(prog_name="llmc")
+
+
+if __name__ == "__main__":
+    main()

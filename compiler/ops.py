@@ -1,0 +1,169 @@
+"""The LLM-level operators of llmc's IR.
+
+Two kinds of op exist:
+
+* ``static`` ops are row-wise functions of ``[rows, features]`` tensors (Linear,
+  norms, activations, element-wise arithmetic). Their result for a row depends
+  only on that row, so a subgraph of static ops traced at ``rows = C`` works at
+  any row count: it is what the chunk pass turns into shared static graphs.
+* ``dynamic`` ops depend on more than their own row or on runtime state
+  (attention with its KV cache, the embedding gather, rotary tables for the
+  current positions, row selection for logits). They run in the runtime on the
+  CPU and are where the chunk pass cuts.
+
+The registry is the explicit :data:`OPS` table below; nothing registers itself
+at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from llmc.ir import Node
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDef:
+    name: str
+    kind: str  # "static" | "dynamic"
+    n_inputs: tuple[int, int]  # (min, max)
+    attrs: tuple[str, ...]  # required attributes
+    weights: tuple[str, ...]  # required weight slots
+    optional_weights: tuple[str, ...]
+    summary: str
+    _infer: Callable[["Node"], list[tuple[Shape, str]]]
+
+    def infer(self, node: "Node") -> list[tuple[Shape, str]]:
+        return self._infer(node)
+
+    def check(self, node: "Node") -> str | None:
+        """Return a reason the node is malformed, or None."""
+        lo, hi = self.n_inputs
+        if not lo <= len(node.inputs) <= hi:
+            return f"expects {lo}..{hi} inputs, has {len(node.inputs)}"
+        missing = [a for a in self.attrs if a not in node.attrs]
+        if missing:
+            return f"missing attributes {missing}"
+        missing_w = [w for w in self.weights if w not in node.weights]
+        if missing_w:
+            return f"missing weights {missing_w}"
+        extra_w = set(node.weights) - set(self.weights) - set(self.optional_weights)
+        if extra_w:
+            return f"unexpected weights {sorted(extra_w)}"
+        try:
+            want = self._infer(node)
+        except Exception as e:  # a malformed node makes inference fail
+            return f"shape inference failed: {e}"
+        got = [(v.shape, v.dtype) for v in node.outputs]
+        if want != got:
+            return f"outputs {got} do not match inferred {want}"
+        return None
+
+    @property
+    def is_static(self) -> bool:
+        return self.kind == "static"
+
+
+def _rows(node: "Node") -> int:
+    return node.inputs[0].shape[0]
+
+
+def _same(node: "Node"):
+    return [(node.inputs[0].shape, node.inputs[0].dtype)]
+
+
+def _binary(node: "Node"):
+    a, b = node.inputs
+    if a.shape != b.shape:
+        raise ValueError(f"operand shapes differ: {a.shape} vs {b.shape}")
+    return [(a.shape, a.dtype)]
+
+
+def _norm(node: "Node"):
+    (x,) = node.inputs
+    if node.weights["weight"].shape != (x.shape[-1],):
+        raise ValueError(f"norm weight {node.weights['weight'].shape} does not match features {x.shape[-1]}")
+    return [(x.shape, x.dtype)]
+
+
+def _linear(node: "Node"):
+    (x,) = node.inputs
+    out_f, in_f = node.weights["weight"].shape
+    if x.shape[-1] != in_f:
+        raise ValueError(f"input has {x.shape[-1]} features, weight expects {in_f}")
+    if "bias" in node.weights and node.weights["bias"].shape != (out_f,):
+        raise ValueError("bias shape does not match weight")
+    return [((_rows(node), out_f), "float32")]
+
+
+def _slice(node: "Node"):
+    (x,) = node.inputs
+    s, e = node.attrs["start"], node.attrs["end"]
+    if not 0 <= s < e <= x.shape[-1]:
+        raise ValueError(f"slice [{s}:{e}] out of range for {x.shape[-1]} features")
+    return [((x.shape[0], e - s), x.dtype)]
+
+
+def _embedding(node: "Node"):
+    (ids,) = node.inputs
+    return [((ids.shape[0], node.weights["table"].shape[1]), "float32")]
+
+
+def _rotary(node: "Node"):
+    (pos,) = node.inputs
+    dim = 2 * node.weights["inv_freq"].shape[0]
+    return [((pos.shape[0], dim), "float32"), ((pos.shape[0], dim), "float32")]
+
+
+def _attention(node: "Node"):
+    q, k, v = node.inputs[:3]
+    a = node.attrs
+    h, kv, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+    if q.shape[-1] != h * d or k.shape[-1] != kv * d or v.shape[-1] != kv * d:
+        raise ValueError(f"q/k/v widths {q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]} do not fit {h} heads, {kv} kv heads of {d}")
+    if h % kv:
+        raise ValueError(f"{h} heads is not a multiple of {kv} kv heads")
+    return [((q.shape[0], h * d), "float32")]
+
+
+def _select_rows(node: "Node"):
+    (x,) = node.inputs
+    return [((node.attrs["rows"], x.shape[1]), x.dtype)]
+
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+OPS: dict[str, OpDef] = {
+    d.name: d
+    for d in [
+        OpDef("Embedding", "dynamic", (1, 1), ("scale",), ("table",), (), "gather token embeddings (CPU, from the shared table) times a constant", _embedding),
+        OpDef("RotaryTable", "dynamic", (1, 1), ("scaling",), ("inv_freq",), (), "cos/sin rotary tables for the chunk's positions", _rotary),
+        OpDef(
+            "Attention",
+            "dynamic",
+            (3, 5),
+            ("layer", "num_heads", "num_kv_heads", "head_dim", "scale", "rotary_dim", "sliding_window"),
+            (),
+            (),
+            "causal GQA attention with rotary embedding over the KV cache (CPU, per chunk)",
+            _attention,
+        ),
+        OpDef("SelectRows", "dynamic", (1, 1), ("rows",), (), (), "pick the rows that need logits (last token, or all for scoring)", _select_rows),
+        OpDef("Linear", "static", (1, 1), (), ("weight",), ("bias",), "x @ W^T (+ b)", _linear),
+        OpDef("RMSNorm", "static", (1, 1), ("eps", "offset"), ("weight",), (), "x * rsqrt(mean(x^2) + eps) * (offset + w)", _norm),
+        OpDef("LayerNorm", "static", (1, 1), ("eps",), ("weight",), ("bias",), "(x - mean) / sqrt(var + eps) * w + b", _norm),
+        OpDef("Act", "static", (1, 1), ("kind",), (), (), "element-wise activation: " + ", ".join(ACTIVATIONS), _same),
+        OpDef("Add", "static", (2, 2), (), (), (), "a + b (residual add)", _binary),
+        OpDef("Mul", "static", (2, 2), (), (), (), "a * b (gated MLP product)", _binary),
+        OpDef("Scale", "static", (1, 1), ("value",), (), (), "x * constant", _same),
+        OpDef("Slice", "static", (1, 1), ("start", "end"), (), (), "x[:, start:end] (split of a fused projection)", _slice),
+    ]
+}
+
+
+def get(name: str) -> OpDef:
+    return OPS[name]

@@ -1,0 +1,29 @@
+"""Errors the runtime raises on purpose (no torch, no compiler imports here)."""
+
+from __future__ import annotations
+
+
+class LlmcRuntimeError(Exception):
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class BundleError(LlmcRuntimeError):
+    """The bundle is missing, incomplete, tampered with, or of another schema."""
+
+    exit_code = 5
+
+
+class PromptTooLongError(LlmcRuntimeError):
+    """The prompt does not fit the bundle's --max-context."""
+
+    exit_code = 6
+
+
+class ProviderError(LlmcRuntimeError):
+    """The requested execution provider is not available for this bundle."""
+
+    exit_code = 7

@@ -1,0 +1,112 @@
+"""The dynamic ops a bundle's program runs on the CPU, in numpy.
+
+Each function implements one IR op of kind ``dynamic`` (see ``llmc.ops``) with
+the semantics the frontend lifted from the HuggingFace model. They are
+vectorised over heads and rows: no Python loop per token or per head.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class KVCache:
+    """Per-layer K and V buffers ``[kv_heads, capacity, head_dim]``, preallocated."""
+
+    def __init__(self, layers: dict[int, tuple[int, int]], capacity: int) -> None:
+        self.capacity = capacity
+        self.k = {l: np.zeros((kv, capacity, d), np.float32) for l, (kv, d) in layers.items()}
+        self.v = {l: np.zeros((kv, capacity, d), np.float32) for l, (kv, d) in layers.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k.values()) + sum(a.nbytes for a in self.v.values())
+
+
+def embedding(ids: np.ndarray, table: np.ndarray, scale: float) -> np.ndarray:
+    out = np.take(table, ids, axis=0)
+    if scale != 1.0:
+        out *= np.float32(scale)
+    return out
+
+
+def rotary_table(positions: np.ndarray, inv_freq: np.ndarray, scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    freqs = positions.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    cos, sin = np.cos(emb), np.sin(emb)
+    if scaling != 1.0:
+        cos *= np.float32(scaling)
+        sin *= np.float32(scaling)
+    return cos, sin
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rotary_dim: int) -> np.ndarray:
+    """Rotate-half rotary embedding on the first ``rotary_dim`` dims of ``x [n, heads, d]``."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    rot = x[..., :rotary_dim]
+    half = rotary_dim // 2
+    rotated = np.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    out = rot * c + rotated * s
+    if rotary_dim == x.shape[-1]:
+        return out
+    return np.concatenate([out, x[..., rotary_dim:]], axis=-1)
+
+
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    cos: np.ndarray | None,
+    sin: np.ndarray | None,
+    *,
+    cache: KVCache,
+    layer: int,
+    start: int,
+    n: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    rotary_dim: int,
+    sliding_window: int,
+) -> np.ndarray:
+    """Causal GQA attention of ``n`` new rows at positions ``start..start+n-1``.
+
+    Writes the new K/V rows into the cache, attends over ``[0, start + n)``, and
+    returns ``[rows, heads*head_dim]`` with rows past ``n`` (chunk padding) zero.
+    """
+    rows = q.shape[0]
+    h, kvh, d = num_heads, num_kv_heads, head_dim
+    g = h // kvh
+    qh = q[:n].reshape(n, h, d)
+    kh = k[:n].reshape(n, kvh, d)
+    vh = v[:n].reshape(n, kvh, d)
+    if rotary_dim:
+        qh = _rope(qh, cos[:n], sin[:n], rotary_dim)
+        kh = _rope(kh, cos[:n], sin[:n], rotary_dim)
+    end = start + n
+    kc, vc = cache.k[layer], cache.v[layer]
+    kc[:, start:end] = kh.transpose(1, 0, 2)
+    vc[:, start:end] = vh.transpose(1, 0, 2)
+    lo = max(0, end - n - sliding_window + 1) if sliding_window else 0
+    keys, values = kc[:, lo:end], vc[:, lo:end]  # [kv, s, d]
+    # Head j uses kv head j // g (HF repeat_kv), so group query heads by kv head.
+    qg = qh.transpose(1, 0, 2).reshape(kvh, g * n, d)
+    scores = np.matmul(qg, keys.transpose(0, 2, 1)) * np.float32(scale)  # [kv, g*n, s]
+    qpos = np.arange(start, end)[:, None]
+    kpos = np.arange(lo, end)[None, :]
+    allowed = kpos <= qpos
+    if sliding_window:
+        allowed &= kpos > qpos - sliding_window
+    scores = scores.reshape(kvh, g, n, end - lo)
+    scores = np.where(allowed, scores, np.float32(-np.inf))
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores.reshape(kvh, g * n, end - lo), values)  # [kv, g*n, d]
+    out = out.reshape(h, n, d).transpose(1, 0, 2).reshape(n, h * d)
+    if n == rows:
+        return np.ascontiguousarray(out, dtype=np.float32)
+    full = np.zeros((rows, h * d), np.float32)
+    full[:n] = out
+    return full

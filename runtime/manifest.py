@@ -1,0 +1,84 @@
+"""Reading and checking a bundle's ``manifest.json``.
+
+The runtime owns the manifest schema; the compiler writes what this module
+reads. Before anything runs, :func:`load_manifest` checks the schema version,
+that every path stays inside the bundle, and the SHA-256 of every file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from llmc.runtime.errors import BundleError
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: Path, block: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(block)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def resolve_inside(bundle: Path, rel: str) -> Path:
+    """``bundle / rel``, refusing absolute paths and paths that leave the bundle."""
+    if not isinstance(rel, str) or not rel or rel.startswith(("/", "\\")) or Path(rel).is_absolute():
+        raise BundleError(f"{bundle}: manifest path {rel!r} is not a relative path inside the bundle", hint="the bundle was edited by hand or is corrupt; recompile it")
+    root = bundle.resolve()
+    p = (root / rel).resolve()
+    if p != root and root not in p.parents:
+        raise BundleError(f"{bundle}: manifest path {rel!r} points outside the bundle", hint="refusing to read it; recompile the bundle")
+    return p
+
+
+def load_manifest(bundle: str | Path, verify: bool = True) -> dict[str, Any]:
+    bundle = Path(bundle)
+    mpath = bundle / MANIFEST
+    if not bundle.is_dir():
+        raise BundleError(f"bundle {bundle} does not exist or is not a directory", hint="compile one with `llmc compile MODEL -o DIR`")
+    if not mpath.is_file():
+        raise BundleError(f"{bundle} has no {MANIFEST}, so it is not an llmc bundle", hint="compile one with `llmc compile MODEL -o DIR`")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BundleError(f"{mpath} is not valid JSON: {e}", hint="the bundle is corrupt; recompile it") from e
+    version = manifest.get("schema_version") if isinstance(manifest, dict) else None
+    if version != SCHEMA_VERSION:
+        raise BundleError(
+            f"{bundle}: manifest schema version {version!r}, this runtime reads version {SCHEMA_VERSION}",
+            hint="recompile the bundle with this version of llmc, or run it with the llmc that built it",
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise BundleError(f"{bundle}: the manifest lists no files", hint="the bundle is corrupt; recompile it")
+    for rel, meta in sorted(files.items()):
+        p = resolve_inside(bundle, rel)
+        if not p.is_file():
+            raise BundleError(f"{bundle}: {rel} is missing", hint="copy the whole bundle directory, or recompile it")
+        if p.stat().st_size != meta.get("bytes"):
+            raise BundleError(f"{bundle}: {rel} has {p.stat().st_size} bytes, the manifest says {meta.get('bytes')}",
+                              hint="the file was truncated or modified; recompile the bundle")
+        if verify and sha256_file(p) != meta.get("sha256"):
+            raise BundleError(f"{bundle}: {rel} does not match its SHA-256 in the manifest (tampered or corrupt)",
+                              hint="refusing to run it; recompile the bundle or restore the original file")
+    # Every path the runtime will open must be one of the checked files.
+    referenced = [w["file"] for w in manifest.get("weights", {}).values()]
+    for g in manifest.get("graphs", {}).values():
+        referenced += [inst["file"] for inst in g["instances"].values()]
+    tok = manifest.get("tokenizer") or {}
+    if tok.get("file"):
+        referenced.append(tok["file"])
+    for rel in referenced:
+        resolve_inside(bundle, rel)
+        if rel not in files:
+            raise BundleError(f"{bundle}: {rel} is used but not covered by the manifest's hashes", hint="the bundle is corrupt; recompile it")
+    return manifest

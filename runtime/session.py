@@ -1,0 +1,333 @@
+"""Executing a compiled bundle: chunked prefill, KV cache, decode, sampling.
+
+The bundle's ``program`` is the per-chunk step list the compiler scheduled:
+``graph`` steps run a static ONNX subgraph (the instance whose row count fits:
+C for prefill chunks, 1 for decode), ``op`` steps run a dynamic op from
+:mod:`llmc.runtime.kernels` on the CPU. A prompt is split into chunks of C
+tokens; the last one is padded, and padded rows never reach the KV cache or the
+logits, so results are exact for any prompt length up to ``max_context``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from llmc.runtime import kernels
+from llmc.runtime.errors import BundleError, PromptTooLongError, ProviderError
+from llmc.runtime.manifest import load_manifest, resolve_inside
+from llmc.runtime.sampling import Sampler
+
+log = logging.getLogger(__name__)
+
+PROVIDERS = ("auto", "cpu")
+
+
+@dataclasses.dataclass
+class Metrics:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    peak_rss_mb: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_s if self.decode_s > 0 and steps > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        d = dataclasses.asdict(self)
+        d["prefill_tok_s"] = self.prefill_tok_s
+        d["decode_tok_s"] = self.decode_tok_s
+        return d
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    token_id: int
+    text: str  # the text this token adds (may be "" for partial UTF-8)
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "eos" | "length" | "context"
+    metrics: Metrics
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class Session:
+    """A loaded bundle, ready to generate.
+
+    ``provider``: ``"cpu"`` runs every graph on ONNX Runtime's CPU provider;
+    ``"auto"`` picks the best provider the bundle and machine support.
+    """
+
+    def __init__(self, bundle: str | Path, provider: str = "auto", *, verify: bool = True, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        if provider not in PROVIDERS:
+            raise ProviderError(f"unknown provider {provider!r}", hint="choose one of: " + ", ".join(PROVIDERS))
+        self.bundle = Path(bundle)
+        self.manifest = load_manifest(self.bundle, verify=verify)
+        self.provider = "cpu"
+        self._ort = ort
+        m = self.manifest
+        self.chunk = int(m["chunk"])
+        self.max_context = int(m["max_context"])
+        self.io = m["io"]
+        self.program = m["program"]
+        self.graphs = m["graphs"]
+        self._threads = threads or os.cpu_count() or 1
+        self._maps: dict[str, np.memmap] = {}
+        self._weights: dict[str, np.ndarray] = {}
+        for name, w in m["weights"].items():
+            self._weights[name] = self._weight_view(name, w)
+        self._ortvalues: dict[str, Any] = {}
+        self._sessions: dict[tuple[str, int], Any] = {}
+        self._attn_layers = {
+            s["attrs"]["layer"]: (s["attrs"]["num_kv_heads"], s["attrs"]["head_dim"]) for s in self.program if s["kind"] == "op" and s["op"] == "Attention"
+        }
+        self._head_steps = self._downstream_of_select()
+        self.tokenizer = None
+        tok = m.get("tokenizer") or {}
+        if tok.get("file"):
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(resolve_inside(self.bundle, tok["file"])))
+        self.eos_ids = set(tok.get("eos_token_ids", []))
+        self.cache: kernels.KVCache | None = None
+        self.position = 0
+
+    # -- setup -------------------------------------------------------------
+    def _weight_view(self, name: str, w: dict) -> np.ndarray:
+        rel = w["file"]
+        if rel not in self._maps:
+            self._maps[rel] = np.memmap(resolve_inside(self.bundle, rel), dtype=np.uint8, mode="r")
+        buf = self._maps[rel]
+        off, nbytes = int(w["offset"]), int(w["nbytes"])
+        if off + nbytes > buf.size:
+            raise BundleError(f"{self.bundle}: weight {name} lies past the end of {rel}", hint="the bundle is corrupt; recompile it")
+        return np.frombuffer(buf, dtype=np.dtype(w["dtype"]), count=nbytes // np.dtype(w["dtype"]).itemsize, offset=off).reshape(w["shape"])
+
+    def _downstream_of_select(self) -> set[int]:
+        tainted: set[str] = set()
+        steps: set[int] = set()
+        for i, s in enumerate(self.program):
+            if (s["kind"] == "op" and s["op"] == "SelectRows") or tainted.intersection(s["inputs"]):
+                steps.add(i)
+                tainted.update(s["outputs"])
+        return steps
+
+    def _session(self, graph: str, rows: int):
+        key = (graph, rows)
+        sess = self._sessions.get(key)
+        if sess is not None:
+            return sess
+        ort = self._ort
+        g = self.graphs[graph]
+        inst = g["instances"].get(str(rows))
+        if inst is None:
+            raise BundleError(f"{self.bundle}: graph {graph} has no instance for {rows} rows (has {sorted(g['instances'])})")
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = self._threads
+        so.inter_op_num_threads = 1
+        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.log_severity_level = 3
+        names = list(g["weights"])
+        for n in names:
+            if n not in self._ortvalues:
+                self._ortvalues[n] = ort.OrtValue.ortvalue_from_numpy(self._weights[n])
+        if names:
+            so.add_external_initializers(names, [self._ortvalues[n] for n in names])
+        model_bytes = resolve_inside(self.bundle, inst["file"]).read_bytes()
+        sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+        self._sessions[key] = sess
+        return sess
+
+    def warmup(self) -> None:
+        """Create every ONNX Runtime session now instead of on first use."""
+        for name, g in self.graphs.items():
+            for rows in g["instances"]:
+                self._session(name, int(rows))
+
+    # -- execution -----------------------------------------------------------
+    def reset(self) -> None:
+        if self.cache is None:
+            self.cache = kernels.KVCache(self._attn_layers, self.max_context)
+        self.position = 0
+
+    def _run_chunk(self, ids: np.ndarray, n: int, logit_rows: np.ndarray | None) -> np.ndarray | None:
+        """Run the program on ``ids`` (padded to an instance size) of which ``n`` are real."""
+        rows = ids.shape[0]
+        start = self.position
+        if start + n > self.max_context:
+            raise PromptTooLongError(f"sequence would reach {start + n} tokens; this bundle was compiled with --max-context {self.max_context}")
+        buf: dict[str, np.ndarray] = {
+            self.io["input_ids"]: ids.astype(np.int64, copy=False),
+            self.io["positions"]: np.arange(start, start + rows, dtype=np.int64),
+        }
+        for i, s in enumerate(self.program):
+            if logit_rows is None and i in self._head_steps:
+                continue
+            if s["kind"] == "graph":
+                feeds = {name: buf[name] for name in s["inputs"]}
+                r = next(iter(feeds.values())).shape[0]
+                outs = self._session(s["name"], r).run(s["outputs"], feeds)
+                buf.update(zip(s["outputs"], outs))
+                continue
+            op, a, ins = s["op"], s.get("attrs", {}), [buf[x] for x in s["inputs"]]
+            if op == "Embedding":
+                res = [kernels.embedding(ins[0], self._weights[s["weights"]["table"]], a["scale"])]
+            elif op == "RotaryTable":
+                res = list(kernels.rotary_table(ins[0], self._weights[s["weights"]["inv_freq"]], a["scaling"]))
+            elif op == "Attention":
+                cos, sin = (ins[3], ins[4]) if len(ins) == 5 else (None, None)
+                res = [kernels.attention(ins[0], ins[1], ins[2], cos, sin, cache=self.cache, start=start, n=n, **a)]
+            elif op == "SelectRows":
+                res = [self._select(ins[0], logit_rows)]
+            else:
+                raise BundleError(f"{self.bundle}: program step {s['name']} uses op {op!r}, which this runtime does not know",
+                                  hint="the bundle was made by a newer llmc; upgrade the runtime")
+            buf.update(zip(s["outputs"], res))
+        self.position = start + n
+        if logit_rows is None:
+            return None
+        return buf[self.io["logits"]][: len(logit_rows)]
+
+    def _select(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        sizes = sorted(int(r) for r in self.graphs[self._head_graph()]["instances"])
+        size = next((s for s in sizes if s >= len(rows)), None)
+        if size is None:
+            raise BundleError(f"cannot score {len(rows)} rows at once; the head graph has instances {sizes}")
+        out = np.zeros((size, x.shape[1]), x.dtype)
+        out[: len(rows)] = x[rows]
+        return out
+
+    def _head_graph(self) -> str:
+        for i in sorted(self._head_steps):
+            if self.program[i]["kind"] == "graph":
+                return self.program[i]["name"]
+        raise BundleError(f"{self.bundle}: the program has no head graph after SelectRows")
+
+    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Feed ``ids`` after what is already in the cache; return logits.
+
+        Returns the last token's logits ``[vocab]``, or with ``all_logits`` the
+        logits of every fed position ``[len(ids), vocab]``.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        if self.cache is None:
+            self.reset()
+        if self.position + len(ids) > self.max_context:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens and {self.position} are already in the context; "
+                f"this bundle was compiled with --max-context {self.max_context}",
+                hint="shorten the prompt, or recompile with a larger --max-context",
+            )
+        C = self.chunk
+        collected = []
+        last = None
+        for s in range(0, len(ids), C):
+            part = ids[s : s + C]
+            n = len(part)
+            padded = np.zeros(C, np.int64)
+            padded[:n] = part
+            final = s + C >= len(ids)
+            rows = np.arange(n) if all_logits else (np.array([n - 1]) if final else None)
+            out = self._run_chunk(padded, n, rows)
+            if all_logits:
+                collected.append(out)
+            elif final:
+                last = out[0]
+        return np.concatenate(collected) if all_logits else last
+
+    def decode(self, token: int) -> np.ndarray:
+        """Feed one token through the decode instances; return its logits."""
+        return self._run_chunk(np.array([token], np.int64), 1, np.array([0]))[0]
+
+    # -- text ----------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise BundleError(f"{self.bundle} has no tokenizer; pass token ids instead of text", hint="compile from a model directory that has tokenizer files")
+        return self.tokenizer.encode(text).ids
+
+    def decode_text(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+        metrics: Metrics | None = None,
+    ) -> Iterator[TokenEvent]:
+        """Yield generated tokens one at a time. ``temperature=0`` is greedy."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise PromptTooLongError("the prompt is empty", hint="give at least one token")
+        if len(ids) > self.max_context:
+            raise PromptTooLongError(
+                f"the prompt has {len(ids)} tokens but this bundle was compiled with --max-context {self.max_context}",
+                hint="shorten the prompt, or recompile with a larger --max-context",
+            )
+        metrics = metrics if metrics is not None else Metrics()
+        metrics.prompt_tokens = len(ids)
+        sampler = Sampler(temperature, top_k, top_p, seed)
+        self.reset()
+        t0 = time.perf_counter()
+        logits = self.prefill(ids)
+        tok = sampler(logits)
+        metrics.prefill_s = metrics.ttft_s = time.perf_counter() - t0
+        generated: list[int] = []
+        text_so_far = ""
+        t1 = time.perf_counter()
+        while True:
+            generated.append(tok)
+            metrics.generated_tokens = len(generated)
+            text = self.decode_text(generated)
+            delta, text_so_far = (text[len(text_so_far):], text) if text.startswith(text_so_far) and not text.endswith("\ufffd") else ("", text_so_far)
+            yield TokenEvent(tok, delta)
+            if (stop_at_eos and tok in self.eos_ids) or len(generated) >= max_new_tokens or self.position >= self.max_context:
+                break
+            tok = sampler(self.decode(tok))
+        metrics.decode_s = time.perf_counter() - t1
+        metrics.peak_rss_mb = peak_rss_mb()
+
+    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kw: Any) -> GenerationResult:
+        metrics = Metrics()
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        out = [e.token_id for e in self.stream(ids, max_new_tokens, metrics=metrics, **kw)]
+        if out and kw.get("stop_at_eos", True) and out[-1] in self.eos_ids:
+            reason = "eos"
+        elif len(out) >= max_new_tokens:
+            reason = "length"
+        else:
+            reason = "context"
+        return GenerationResult(ids, out, self.decode_text(out), reason, metrics)
