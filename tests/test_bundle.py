@@ -1,0 +1,122 @@
+"""Bundle integrity: determinism, atomic writes, hashes, paths, schema version."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import CHUNK, MAX_CONTEXT
+
+
+def _files(d):
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_rebuild_is_byte_identical(model_dirs, bundles, tmp_path):
+    from llmc.compile import compile_model
+
+    first = bundles("qwen2")
+    second = tmp_path / "again"
+    compile_model(str(model_dirs("qwen2")), second, chunk=CHUNK, max_context=MAX_CONTEXT)
+    a, b = _files(first), _files(second)
+    assert a.keys() == b.keys()
+    assert [k for k in a if a[k] != b[k]] == []
+
+
+def test_layout_and_graph_sharing(bundles):
+    import onnx
+
+    from llmc.runtime import load_manifest
+
+    d = bundles("llama")
+    m = load_manifest(d)
+    assert {p.name for p in d.iterdir()} == {"manifest.json", "graphs", "weights", "tokenizer"}
+    assert list((d / "weights").iterdir()) == [d / "weights" / "weights.bin"]
+    total = sum(w["nbytes"] for w in m["weights"].values())
+    assert (d / "weights" / "weights.bin").stat().st_size < total + 64 * len(m["weights"])  # each weight once
+    for name, g in m["graphs"].items():
+        assert sorted(g["instances"]) == ["1", str(CHUNK)]
+        for inst in g["instances"].values():
+            model = onnx.load(d / inst["file"], load_external_data=False)
+            assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_value == inst["rows"]
+            ext = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+            assert {t.name for t in ext} == set(g["weights"])
+            for t in ext:
+                kv = {e.key: e.value for e in t.external_data}
+                assert kv["location"] == "weights/weights.bin"
+                assert int(kv["offset"]) == m["weights"][t.name]["offset"]
+
+
+def _copy(bundles, tmp_path, family="llama"):
+    d = tmp_path / "b"
+    shutil.copytree(bundles(family), d)
+    return d
+
+
+def test_tampered_weights_refused_before_inference(bundles, tmp_path):
+    from llmc.runtime import BundleError, Session
+
+    d = _copy(bundles, tmp_path)
+    w = d / "weights" / "weights.bin"
+    data = bytearray(w.read_bytes())
+    data[100] ^= 0xFF
+    w.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=r"weights/weights.bin does not match its SHA-256"):
+        Session(d)
+
+
+def test_missing_file_refused(bundles, tmp_path):
+    from llmc.runtime import BundleError, Session
+
+    d = _copy(bundles, tmp_path)
+    (d / "graphs" / "head.r1.onnx").unlink()
+    with pytest.raises(BundleError, match="head.r1.onnx is missing"):
+        Session(d)
+
+
+def test_path_outside_bundle_refused(bundles, tmp_path):
+    from llmc.runtime import BundleError, Session
+
+    d = _copy(bundles, tmp_path)
+    m = json.loads((d / "manifest.json").read_text())
+    m["files"]["../escape.bin"] = {"bytes": 1, "sha256": "0"}
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="outside the bundle"):
+        Session(d)
+
+
+def test_schema_version_checked(bundles, tmp_path):
+    from llmc.runtime import BundleError, Session
+
+    d = _copy(bundles, tmp_path)
+    m = json.loads((d / "manifest.json").read_text())
+    m["schema_version"] = 999
+    (d / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="schema version 999"):
+        Session(d)
+
+
+def test_failed_compile_leaves_nothing(model_dirs, tmp_path, monkeypatch):
+    from llmc.backends import onnx_backend
+    from llmc.compile import compile_model
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(onnx_backend, "emit_graphs", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        compile_model(str(model_dirs("llama")), tmp_path / "out", chunk=CHUNK, max_context=MAX_CONTEXT)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_refuses_to_replace_foreign_directory(model_dirs, tmp_path):
+    from llmc.compile import compile_model
+    from llmc.errors import CompileError
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "precious.txt").write_text("keep me")
+    with pytest.raises(CompileError, match="not an llmc bundle"):
+        compile_model(str(model_dirs("llama")), tmp_path / "out", chunk=CHUNK, max_context=MAX_CONTEXT)
+    assert (tmp_path / "out" / "precious.txt").read_text() == "keep me"

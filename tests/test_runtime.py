@@ -1,0 +1,139 @@
+"""Runtime behaviour: no torch needed, chunking, sampling, limits."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import CHUNK, MAX_CONTEXT
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BLOCKER = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {'torch', 'transformers', 'onnx', 'networkx', 'gguf', 'safetensors'}:
+            raise ImportError('blocked for this test: ' + name)
+        return None
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_runtime_runs_without_torch(bundles):
+    code = BLOCKER + f"""
+from llmc.runtime import Session
+s = Session({str(bundles('llama'))!r})
+r = s.generate('the cat saw a dog', 5, stop_at_eos=False)
+assert len(r.token_ids) == 5
+bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'onnx')]
+bad += [m for m in sys.modules if m.startswith('llmc.') and not m.startswith('llmc.runtime')]
+assert not bad, bad
+print('ok', r.token_ids)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok")
+
+
+def _imports(folder: str) -> set[str]:
+    found = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+    return found
+
+
+def test_layering():
+    """runtime imports only numpy/onnxruntime/tokenizers/stdlib + itself; passes and backends don't import each other."""
+    allowed_third_party = {"numpy", "onnxruntime", "tokenizers"}
+    for mod in _imports("runtime"):
+        top = mod.split(".")[0]
+        if top == "llmc":
+            assert mod.startswith("llmc.runtime"), mod
+        else:
+            assert top in allowed_third_party or top in sys.stdlib_module_names, mod
+    assert not any(m.startswith("llmc.backends") for m in _imports("passes"))
+    assert not any(m.startswith("llmc.passes") for m in _imports("backends"))
+
+
+def test_chunked_prefill_equals_token_by_token(bundles):
+    """Prefill in chunks (with a padded tail) and feeding tokens one at a time give the same logits."""
+    from llmc.runtime import Session
+
+    s = Session(bundles("llama"))
+    ids = list(range(5, 5 + 2 * CHUNK + 3))
+    s.reset()
+    chunked = s.prefill(ids, all_logits=True)
+    s.reset()
+    single = np.stack([s.prefill([t]) for t in ids])
+    np.testing.assert_allclose(chunked, single, atol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible(bundles):
+    from llmc.runtime import Session
+
+    s = Session(bundles("llama"))
+    a = s.generate("the cat", 12, temperature=1.0, seed=7, stop_at_eos=False).token_ids
+    b = s.generate("the cat", 12, temperature=1.0, seed=7, stop_at_eos=False).token_ids
+    c = s.generate("the cat", 12, temperature=1.0, seed=8, stop_at_eos=False).token_ids
+    assert a == b and a != c
+
+
+def test_streaming_yields_tokens_as_generated(bundles):
+    from llmc.runtime import Session
+
+    s = Session(bundles("llama"))
+    events = list(s.stream("the dog", 6, stop_at_eos=False))
+    assert len(events) == 6
+    assert [e.token_id for e in events] == s.generate("the dog", 6, stop_at_eos=False).token_ids
+    assert "".join(e.text for e in events).strip() == s.decode_text([e.token_id for e in events]).strip()
+
+
+def test_prompt_longer_than_context_refused(bundles):
+    from llmc.runtime import PromptTooLongError, Session
+
+    s = Session(bundles("llama"))
+    with pytest.raises(PromptTooLongError, match=f"--max-context {MAX_CONTEXT}"):
+        s.generate(list(range(4, 4 + MAX_CONTEXT + 1)), 4)
+
+
+def test_generation_stops_at_context_end(bundles):
+    from llmc.runtime import Session
+
+    s = Session(bundles("llama"))
+    r = s.generate(list(range(4, 4 + MAX_CONTEXT - 3)), 10, stop_at_eos=False)
+    assert r.finish_reason == "context"
+    assert len(r.prompt_ids) + len(r.token_ids) <= MAX_CONTEXT + 1
+
+
+def test_kernels_attention_matches_reference():
+    """The vectorised GQA kernel equals a per-head loop, with a sliding window."""
+    from llmc.runtime import kernels
+
+    rng = np.random.default_rng(0)
+    h, kvh, d, n = 4, 2, 8, 6
+    cache = kernels.KVCache({0: (kvh, d)}, 16)
+    q = rng.standard_normal((n, h * d)).astype(np.float32)
+    k = rng.standard_normal((n, kvh * d)).astype(np.float32)
+    v = rng.standard_normal((n, kvh * d)).astype(np.float32)
+    out = kernels.attention(q, k, v, None, None, cache=cache, layer=0, start=0, n=n, num_heads=h, num_kv_heads=kvh,
+                            head_dim=d, scale=0.3, rotary_dim=0, sliding_window=3)
+    ref = np.zeros_like(out)
+    for head in range(h):
+        kv = head // (h // kvh)
+        for i in range(n):
+            js = [j for j in range(n) if j <= i and j > i - 3]
+            s = np.array([q[i, head * d:(head + 1) * d] @ k[j, kv * d:(kv + 1) * d] * 0.3 for j in js])
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            ref[i, head * d:(head + 1) * d] = sum(pj * v[j, kv * d:(kv + 1) * d] for pj, j in zip(p, js))
+    np.testing.assert_allclose(out, ref, atol=1e-5)
