@@ -152,7 +152,7 @@ def load(source: str) -> LoadedModel:
         check_config(config, source)
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
-                directory, dtype=torch.float32, attn_implementation="sdpa", **kwargs
+                directory, config=config, dtype=torch.float32, attn_implementation="sdpa", **kwargs
             )
         except (OSError, ValueError, RuntimeError, KeyError) as e:
             raise ModelLoadError(f"cannot load the weights of {source}: {e}", hint="check that the weight files are complete and match config.json") from e

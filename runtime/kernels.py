@@ -89,10 +89,13 @@ def attention(
     kc[:, start:end] = kh.transpose(1, 0, 2)
     vc[:, start:end] = vh.transpose(1, 0, 2)
     lo = max(0, end - n - sliding_window + 1) if sliding_window else 0
-    keys, values = kc[:, lo:end], vc[:, lo:end]  # [kv, s, d]
+    # Contiguous [kv, d, s] keys so the batched matmul below goes to BLAS.
+    keys_t = np.ascontiguousarray(kc[:, lo:end].transpose(0, 2, 1))
+    values = vc[:, lo:end]  # [kv, s, d]
     # Head j uses kv head j // g (HF repeat_kv), so group query heads by kv head.
-    qg = qh.transpose(1, 0, 2).reshape(kvh, g * n, d)
-    scores = np.matmul(qg, keys.transpose(0, 2, 1)) * np.float32(scale)  # [kv, g*n, s]
+    qg = np.ascontiguousarray(qh.transpose(1, 0, 2)).reshape(kvh, g * n, d)
+    scores = np.matmul(qg, keys_t)  # [kv, g*n, s]
+    scores *= np.float32(scale)
     qpos = np.arange(start, end)[:, None]
     kpos = np.arange(lo, end)[None, :]
     allowed = kpos <= qpos

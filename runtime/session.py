@@ -153,6 +153,9 @@ class Session:
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.log_severity_level = 3
+        # Dozens of sessions run one after another: spinning worker threads of
+        # an idle session would steal the cores from the one that is running.
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         names = list(g["weights"])
         for n in names:
             if n not in self._ortvalues:

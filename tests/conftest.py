@@ -4,6 +4,10 @@ word-level tokenizer, and compiled once per session."""
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as llmc.runtime does; see runtime/__init__.py
+
 import importlib.util
 from pathlib import Path
 

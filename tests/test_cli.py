@@ -1,0 +1,99 @@
+"""The llmc command line: commands, JSON output, errors and exit codes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from conftest import CHUNK
+
+from llmc.cli import cli
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_compile_run_inspect(model_dirs, tmp_path):
+    out = tmp_path / "bundle"
+    r = invoke("compile", model_dirs("llama"), "--target", "cpu", "-o", out, "--chunk", CHUNK, "--max-context", 48,
+               "--time-passes", "--dump-ir", tmp_path / "ir")
+    assert r.exit_code == 0, r.output
+    assert "wrote" in r.output and "[5/5] emit" in r.output and "chunk_static_graphs" in r.output
+    assert (tmp_path / "ir" / "03-chunk_static_graphs.ir").is_file()
+
+    r = invoke("run", out, "--prompt", "the quick brown fox", "--max-new-tokens", 5, "--no-eos", "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert len(res["token_ids"]) == 5 and res["finish_reason"] == "length"
+    assert set(res["timings"]) >= {"ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb"}
+
+    r = invoke("run", out, "--prompt", "the quick brown fox", "--max-new-tokens", 5, "--no-eos")
+    assert r.exit_code == 0 and "prefill" in r.output
+
+    r = invoke("inspect", out)
+    assert r.exit_code == 0 and "block00" in r.output and "head" in r.output and "stored once" in r.output
+    r = invoke("inspect", out, "--json")
+    assert json.loads(r.output)["chunk"] == CHUNK
+
+
+def test_custom_pipeline_and_bad_pipeline(model_dirs, tmp_path):
+    r = invoke("compile", model_dirs("llama"), "-o", tmp_path / "b", "--chunk", CHUNK, "--max-context", 32,
+               "--pipeline", "select_logit_rows,chunk_static_graphs", "--quiet")
+    assert r.exit_code == 0, r.output
+    r = invoke("compile", model_dirs("llama"), "-o", tmp_path / "c", "--pipeline", "dce,frobnicate")
+    assert r.exit_code == 2 and "unknown pass 'frobnicate'" in r.output and "hint:" in r.output
+    assert not (tmp_path / "c").exists()
+
+
+def test_sampling_flags(bundles):
+    b = bundles("llama")
+    a = json.loads(invoke("run", b, "--prompt", "the cat", "--temperature", "0.8", "--seed", 3, "--no-eos", "--json").output)
+    c = json.loads(invoke("run", b, "--prompt", "the cat", "--temperature", "0.8", "--seed", 3, "--no-eos", "--json").output)
+    assert a["token_ids"] == c["token_ids"]
+
+
+def test_passes_and_ops_listing():
+    r = invoke("passes")
+    assert r.exit_code == 0 and "chunk_static_graphs" in r.output and "default pipeline for --target cpu" in r.output
+    r = invoke("ops")
+    assert r.exit_code == 0 and "Attention" in r.output and "dynamic" in r.output
+
+
+def test_errors_have_messages_and_exit_codes(bundles, tmp_path):
+    r = invoke("compile", tmp_path / "nope", "-o", tmp_path / "o")
+    assert r.exit_code == 3 and "not found" in r.output
+    (tmp_path / "empty").mkdir()
+    r = invoke("compile", tmp_path / "empty", "-o", tmp_path / "o")
+    assert r.exit_code == 3 and "config.json" in r.output
+    r = invoke("compile", "someorg/not-cached-model", "-o", tmp_path / "o")
+    assert r.exit_code == 3 and "never downloads" in r.output
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf")
+    r = invoke("compile", bad, "-o", tmp_path / "o")
+    assert r.exit_code == 3 and "bad.gguf" in r.output
+    assert not (tmp_path / "o").exists()
+
+    long_prompt = " ".join(["cat"] * 100)
+    r = invoke("run", bundles("llama"), "--prompt", long_prompt)
+    assert r.exit_code == 6 and "--max-context" in r.output
+
+    d = tmp_path / "tampered"
+    shutil.copytree(bundles("llama"), d)
+    (d / "graphs" / "block00.r1.onnx").write_bytes(b"junk")
+    r = invoke("run", d, "--prompt", "the cat")
+    assert r.exit_code == 5 and "block00.r1.onnx" in r.output
+    r = invoke("run", tmp_path / "missing", "--prompt", "x")
+    assert r.exit_code == 5 and "does not exist" in r.output
+
+
+def test_console_script_entry_point():
+    exe = shutil.which("llmc") or str((__import__("pathlib").Path(sys.executable).parent / "llmc"))
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for cmd in ("compile", "run", "inspect", "passes"):
+        assert cmd in out.stdout
