@@ -81,6 +81,7 @@ class _Builder:
         self.nodes: list[Any] = []
         self.consts: list[Any] = []
         self.used_weights: list[str] = []
+        self.scalar_weights: set[str] = set()  # one-element weights used as per-tensor quantization scales
         self.values = {}
         for n in (graph.node(x) for x in sub.nodes):
             for v in list(n.inputs) + list(n.outputs):
@@ -109,6 +110,23 @@ class _Builder:
             if "bias" in n.weights:
                 ins.append(self.weight(n.weights["bias"]))
             self.add("Gemm", ins, y, n.name, transB=1)
+        elif n.op == "QLinear":
+            sc = self.const(f"{n.name}.x_scale", np.array(a["x_scale"], np.float32))
+            zp = self.const(f"{n.name}.x_zero_point", np.array(a["x_zero_point"], np.uint8))
+            self.add("QuantizeLinear", x + [sc, zp], [f"{n.name}.xq"], f"{n.name}.quant")
+            self.add("DequantizeLinear", [f"{n.name}.xq", sc, zp], [f"{n.name}.xdq"], f"{n.name}.dequant")
+            wq, ws = self.weight(n.weights["qweight"]), self.weight(n.weights["wscale"])
+            out_f = n.weights["qweight"].shape[1]
+            per_channel = n.weights["wscale"].shape != (1,)
+            wzp = self.const(f"{n.name}.w_zero_point", np.full(out_f if per_channel else (), a["w_zero_point"], np.uint8))
+            attrs = {"axis": 1} if per_channel else {}
+            if not per_channel:
+                self.scalar_weights.add(ws)
+            self.add("DequantizeLinear", [wq, ws, wzp], [f"{n.name}.w"], f"{n.name}.wdequant", **attrs)
+            out = y if "bias" not in n.weights else [f"{n.name}.mm"]
+            self.add("MatMul", [f"{n.name}.xdq", f"{n.name}.w"], out, n.name)
+            if "bias" in n.weights:
+                self.add("Add", [out[0], self.weight(n.weights["bias"])], y, f"{n.name}.bias")
         elif n.op == "RMSNorm":
             w = self.weight(n.weights["weight"])
             if a["offset"]:
@@ -157,7 +175,8 @@ class _Builder:
             t = TensorProto()
             t.name = wname
             t.data_type = _NP_TO_ONNX[w["dtype"]]
-            t.dims.extend(w["shape"])
+            # a one-element scale is a per-tensor (scalar) quantization parameter
+            t.dims.extend([] if wname in self.scalar_weights else w["shape"])
             t.data_location = TensorProto.EXTERNAL
             for k, val in (("location", w["file"]), ("offset", str(w["offset"])), ("length", str(w["nbytes"]))):
                 e = t.external_data.add()
@@ -189,7 +208,7 @@ def _check(model, root: Path) -> None:
         onnx.checker.check_model(model, full_check=True)
 
 
-def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], root: Path) -> dict[str, dict[str, Any]]:
+def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], root: Path, placement: str = "cpu") -> dict[str, dict[str, Any]]:
     """Write every subgraph instance; return the manifest's ``graphs`` table."""
     import onnx
 
@@ -206,7 +225,7 @@ def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]
             instances[str(rows)] = {"file": rel, "rows": rows}
         vals = {v.name: v for n in (graph.node(x) for x in sub.nodes) for v in list(n.inputs) + list(n.outputs)}
         table[sub.name] = {
-            "placement": "cpu",
+            "placement": placement,
             "nodes": len(sub.nodes),
             "ops": sorted({graph.node(x).op for x in sub.nodes}),
             "inputs": [{"name": n, "features": vals[n].shape[1], "dtype": vals[n].dtype} for n in sub.inputs],

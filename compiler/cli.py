@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,15 +56,27 @@ def cli(verbose: int) -> None:
 @cli.command()
 @click.argument("model")
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False), help="Bundle directory to write (replaced atomically).")
-@click.option("--target", type=click.Choice(["cpu"]), default="cpu", show_default=True, help="cpu: float32 static graphs on ONNX Runtime.")
+@click.option("--target", type=click.Choice(["cpu", "npu"]), default="cpu", show_default=True,
+              help="cpu: float32 static graphs. npu: W8A8 QDQ graphs with shadow outliers (run on ONNX Runtime's CPU provider until QNN lands).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C (rows of the shared static graphs).")
 @click.option("--max-context", type=click.IntRange(1), default=2048, show_default=True, help="Longest prompt + generation the bundle accepts (KV cache size).")
 @click.option("--pipeline", default=None, help="Comma-separated passes to run (see `llmc passes`); default depends on --target.")
 @click.option("--dump-ir", type=click.Path(file_okay=False), default=None, help="Write the IR before and after every pass into this directory.")
 @click.option("--time-passes", is_flag=True, help="Print how long each pass took.")
+@click.option("--calib", "calib_file", type=click.Path(dir_okay=False), default=None, help="[npu] Calibration text file (default: Python's bundled reference docs).")
+@click.option("--calib-tokens", type=click.IntRange(16), default=2048, show_default=True, help="[npu] Calibration tokens to run.")
+@click.option("--no-shadow", is_flag=True, help="[npu] Plain per-tensor W8A8: no shadow outlier paths, ranges at the calibration max.")
+@click.option("--clip-percentile", type=click.FloatRange(50, 100, max_open=True), default=99.0, show_default=True, help="[npu] Activation clip (percentile of |x|) for shadow-enabled Linears.")
+@click.option("--shadow-keep", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="[npu] Fraction of Linear inputs (most important first) that keep a shadow path.")
+@click.option("--pruned-percentile", type=click.FloatRange(50, 100), default=99.999, show_default=True, help="[npu] Clip of inputs whose shadow is pruned (100 = calibration max).")
+@click.option("--hot-budget", type=click.FloatRange(0, 1), default=0.01, show_default=True, help="[npu] Resident float shadow rows, as a fraction of the int8 weight bytes.")
+@click.option("--weight-granularity", type=click.Choice(["channel", "tensor"]), default="channel", show_default=True, help="[npu] int8 weight scales per output channel or per tensor.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Where calibration results are cached (default: $LLMC_CACHE_DIR or ~/.cache/llmc).")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the calibration cache.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @_guard
-def compile(model, out, target, chunk, max_context, pipeline, dump_ir, time_passes, quiet):
+def compile(model, out, target, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
+            shadow_keep, pruned_percentile, hot_budget, weight_granularity, cache_dir, no_cache, quiet):
     """Compile MODEL into a bundle.
 
     MODEL is the bundled name `smollm2-135m`, a HuggingFace model directory, a .gguf
@@ -84,7 +97,16 @@ def compile(model, out, target, chunk, max_context, pipeline, dump_ir, time_pass
             i = STAGES.index(stage) + 1
             click.echo(f"[{i}/{len(STAGES)}] {stage:<7} {time.perf_counter() - t0:6.1f}s", err=True)
 
-    summary = compile_model(model, out, target=target, chunk=chunk, max_context=max_context, pipeline=pipeline, instruments=instruments, progress=progress)
+    if no_cache:
+        cache_dir = None
+    elif cache_dir is None:
+        cache_dir = os.environ.get("LLMC_CACHE_DIR") or str(Path.home() / ".cache" / "llmc")
+    summary = compile_model(
+        model, out, target=target, chunk=chunk, max_context=max_context, pipeline=pipeline, instruments=instruments, progress=progress,
+        calib_file=calib_file, calib_tokens=calib_tokens, cache_dir=cache_dir, shadow=not no_shadow, clip_percentile=clip_percentile,
+        shadow_keep=shadow_keep, pruned_percentile=None if pruned_percentile >= 100 else pruned_percentile, hot_budget=hot_budget,
+        weight_granularity=weight_granularity,
+    )
     if time_passes:
         click.echo("pass timings:", err=True)
         for name, secs, changed in timing.rows:
@@ -204,6 +226,54 @@ def inspect(bundle, as_json, no_verify):
     steps = summary["program"]
     click.echo(f"program    {len(steps)} steps per chunk: {' -> '.join(steps[:8])}{' -> ...' if len(steps) > 8 else ''}")
     click.echo(f"total      {summary['total_bytes'] / 1e6:.1f} MB in {len(files)} files")
+
+
+@cli.command(name="eval")
+@click.argument("bundle", type=click.Path())
+@click.option("--text", "text_file", type=click.Path(dir_okay=False, exists=True), default=None, help="Measure perplexity on this UTF-8 text file.")
+@click.option("--window", type=click.IntRange(2), default=None, help="Perplexity window in tokens (default: the bundle's max context).")
+@click.option("--max-tokens", type=click.IntRange(2), default=None, help="Only score the first N tokens of --text.")
+@click.option("--against", "reference", type=click.Path(), default=None, help="Reference bundle (e.g. the fp32 cpu bundle) for greedy agreement.")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False, exists=True), default=None, help="One prompt per line, for --against.")
+@click.option("--new-tokens", type=click.IntRange(1), default=32, show_default=True, help="Generated tokens per prompt, for --against.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--threads", type=click.IntRange(1), default=None)
+@_guard
+def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new_tokens, as_json, threads):
+    """Measure a BUNDLE: perplexity on --text, and/or greedy agreement --against another bundle on --prompts."""
+    import dataclasses
+
+    from llmc.runtime import evaluate as ev
+
+    if text_file is None and reference is None:
+        raise click.UsageError("give --text FILE (perplexity) and/or --against DIR --prompts FILE (agreement)")
+    if (reference is None) != (prompts_file is None):
+        raise click.UsageError("--against and --prompts go together")
+    sess = _make_session(bundle, "auto", threads)
+    result: dict = {"bundle": str(bundle)}
+    if text_file is not None:
+        ids = sess.encode(Path(text_file).read_text(encoding="utf-8"))
+        if max_tokens:
+            ids = ids[:max_tokens]
+        result["perplexity"] = dataclasses.asdict(ev.perplexity(sess, ids, window))
+        if not as_json:
+            p = result["perplexity"]
+            click.echo(f"perplexity {p['perplexity']:.4f} over {p['tokens']} tokens ({p['windows']} windows of {p['window']})")
+    if reference is not None:
+        prompts = [line.strip() for line in Path(prompts_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+        if not prompts:
+            raise click.UsageError(f"{prompts_file} has no prompts")
+        ref = _make_session(reference, "auto", threads)
+        a = ev.agreement(sess, ref, prompts, new_tokens)
+        result["agreement"] = dataclasses.asdict(a)
+        result["agreement"]["reference"] = str(reference)
+        if not as_json:
+            click.echo(f"greedy agreement with {reference} over {a.prompts} prompts x {new_tokens} tokens: "
+                       f"teacher-forced {a.teacher_forced:.1%}, free-running {a.free_running:.1%}")
+    if hasattr(sess, "outlier_counts") and sess.outlier_counts:
+        result["shadow_outliers_seen"] = int(sum(sess.outlier_counts.values()))
+    if as_json:
+        click.echo(json.dumps(result))
 
 
 @cli.command()

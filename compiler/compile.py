@@ -7,6 +7,7 @@ load (frontend) -> trace (torch.export) -> lift (IR) -> passes -> emit (backend)
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -15,11 +16,11 @@ from typing import Any, Callable, Iterable
 from llmc import __version__
 from llmc.analyses import ChunkPlan
 from llmc.errors import CompileError
-from llmc.pass_manager import CompileOptions, Instrument, PassContext, format_pipeline, parse_pipeline, run_pipeline
+from llmc.pass_manager import CompileOptions, Instrument, ModelInputs, PassContext, format_pipeline, parse_pipeline, run_pipeline
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("cpu",)
+TARGETS = ("cpu", "npu")
 STAGES = ("load", "trace", "lift", "passes", "emit")
 
 
@@ -49,7 +50,14 @@ def compile_model(
     pipeline: str | None = None,
     instruments: Iterable[Instrument] = (),
     progress: Callable[[str], None] | None = None,
+    **quant_options: Any,
 ) -> CompileSummary:
+    """Compile ``source`` into the bundle directory ``out``.
+
+    ``quant_options`` are the quantization fields of :class:`CompileOptions`
+    (calib_file, calib_tokens, cache_dir, shadow, clip_percentile, shadow_keep,
+    pruned_percentile, hot_budget, weight_granularity); they matter for ``target="npu"``.
+    """
     from llmc import lift as lift_mod
     from llmc import model_source
     from llmc.backends import bundle as bundle_mod
@@ -61,12 +69,15 @@ def compile_model(
     if chunk < 1 or max_context < 1 or chunk > max_context:
         raise CompileError(f"--chunk {chunk} must be between 1 and --max-context {max_context}")
     passes = parse_pipeline(pipeline or default_pipeline(target), REGISTRY)  # fail fast on a bad --pipeline
-    options = CompileOptions(target=target, chunk=chunk, max_context=max_context)
+    try:
+        options = CompileOptions(target=target, chunk=chunk, max_context=max_context, **quant_options)
+    except TypeError as e:
+        raise CompileError(f"unknown compile option: {e}") from None
     seconds: dict[str, float] = {}
-    report = progress or (lambda stage: None)
+    notify = progress or (lambda stage: None)
 
     def stage(name: str):
-        report(name)
+        notify(name)
         return time.perf_counter()
 
     t = stage("load")
@@ -86,7 +97,9 @@ def compile_model(
     seconds["lift"] = time.perf_counter() - t
 
     t = stage("passes")
-    ctx = PassContext(options)
+    tok = loaded.tokenizer
+    encode = (lambda text: tok(text, add_special_tokens=True)["input_ids"]) if tok is not None else None
+    ctx = PassContext(options, ModelInputs(encode, loaded.fingerprint))
     run_pipeline(graph, passes, ctx, instruments)
     if not ctx.has(ChunkPlan):
         raise CompileError("the pipeline did not produce a ChunkPlan", hint="end the pipeline with chunk_static_graphs")
@@ -97,7 +110,7 @@ def compile_model(
     with bundle_mod.atomic_directory(out) as root:
         order = _weight_order(graph, plan)
         weights = onnx_backend.write_weights(graph, order, root)
-        graphs = onnx_backend.emit_graphs(graph, plan, weights, root)
+        graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu")
         tok = _write_tokenizer(loaded, root)
         manifest = {
             "llmc_version": __version__,
@@ -112,6 +125,9 @@ def compile_model(
             "program": _program(graph, plan),
             "tokenizer": tok,
         }
+        report = build_report(graph, ctx, weights)
+        if report:
+            (root / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
         bundle_mod.write_manifest(root, manifest)
     seconds["emit"] = time.perf_counter() - t
     return CompileSummary(
@@ -122,6 +138,67 @@ def compile_model(
         sum(w["nbytes"] for w in weights.values()),
         seconds,
     )
+
+
+def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The quantization report: per Linear its range, shadow decision, hot channels and bytes."""
+    from llmc.analyses import CalibrationStats, ShadowPlan
+
+    if not ctx.has(ShadowPlan):
+        return None
+    plan = ctx.get(ShadowPlan)
+    calib = ctx.get(CalibrationStats)
+    total = sum(w["nbytes"] for w in weights.values())
+    model_int8 = sum(w["nbytes"] for n, w in weights.items() if n.endswith(".q8"))
+    linears = []
+    resident = 0
+    for node in graph.nodes:
+        if node.op != "QLinear":
+            continue
+        x = node.inputs[0].name
+        q = plan.inputs[x]
+        name = node.name[: -len(".q")]
+        hot_bytes = 0
+        if q.shadow:
+            shadow = graph.node(name + ".shadow")
+            hot_bytes = shadow.weights["hot_rows"].nbytes if q.hot_channels else 0
+            resident += hot_bytes
+        linears.append({
+            "linear": name,
+            "input": x,
+            "x_scale": q.scale,
+            "clip": q.clip,
+            "calib_absmax": q.absmax,
+            "importance": q.importance,
+            "outlier_rate": q.outlier_rate,
+            "shadow": "kept" if q.shadow else "pruned",
+            "hot_channels": len(q.hot_channels),
+            "resident_shadow_bytes": hot_bytes,
+            "weight_granularity": ctx.options.weight_granularity,
+        })
+    kept = sum(1 for q in plan.inputs.values() if q.shadow)
+    return {
+        "calibration": {"corpus": calib.corpus, "tokens": calib.tokens},
+        "quantization": {
+            "activations": "uint8 per tensor (zero point 128) at every Linear input; everything else float32",
+            "weights": f"int8 symmetric per {ctx.options.weight_granularity}",
+            "shadow": plan.enabled,
+            "clip_percentile": plan.percentile if plan.enabled else None,
+            "shadow_keep_fraction": plan.keep_fraction,
+            "pruned_percentile": ctx.options.pruned_percentile if plan.enabled else None,
+            "hot_budget": ctx.options.hot_budget,
+        },
+        "summary": {
+            "linear_inputs": len(plan.inputs),
+            "shadow_kept": kept,
+            "shadow_pruned": len(plan.inputs) - kept,
+            "resident_shadow_bytes": resident,
+            "weight_bytes": total,
+            "int8_weight_bytes": model_int8,
+            "resident_shadow_fraction_of_int8_weights": resident / model_int8 if model_int8 else 0.0,
+        },
+        "linears": linears,
+    }
 
 
 def _positions(graph) -> str:

@@ -50,6 +50,7 @@ class LoadedModel:
     source: str  # what the user passed
     description: str  # where it came from, for reports
     generation_eos: list[int]
+    fingerprint: str  # identifies the weights (paths, sizes, mtimes) for compile caches
 
 
 @contextlib.contextmanager
@@ -164,7 +165,21 @@ def load(source: str) -> LoadedModel:
             log.warning("no tokenizer found for %s (%s); the bundle will accept token ids only", source, e)
     eos = _eos_ids(model, tokenizer)
     log.info("loaded %s: %s, %d layers", description, type(model).__name__, model.config.num_hidden_layers)
-    return LoadedModel(model, tokenizer, source, description, eos)
+    return LoadedModel(model, tokenizer, source, description, eos, _fingerprint(directory, kwargs.get("gguf_file")))
+
+
+def _fingerprint(directory: Any, gguf_file: str | None) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    if isinstance(directory, Path):
+        files = [directory / gguf_file] if gguf_file else sorted(p for p in directory.iterdir() if p.is_file())
+        for p in files:
+            st = p.stat()
+            h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    else:
+        h.update(f"hub:{directory}".encode())
+    return h.hexdigest()
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

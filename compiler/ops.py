@@ -100,6 +100,31 @@ def _linear(node: "Node"):
     return [((_rows(node), out_f), "float32")]
 
 
+def _qlinear(node: "Node"):
+    (x,) = node.inputs
+    in_f, out_f = node.weights["qweight"].shape
+    if x.shape[-1] != in_f:
+        raise ValueError(f"input has {x.shape[-1]} features, weight expects {in_f}")
+    if node.weights["wscale"].shape not in ((out_f,), (1,)):
+        raise ValueError("weight scale must be per output channel or per tensor")
+    if node.weights["qweight"].dtype != "uint8":
+        raise ValueError("quantized weights must be uint8 (int8 values offset by w_zero_point)")
+    return [((_rows(node), out_f), "float32")]
+
+
+def _shadow(node: "Node"):
+    x, y = node.inputs
+    in_f, out_f = node.weights["weight_t"].shape
+    if x.shape[-1] != in_f:
+        raise ValueError(f"input has {x.shape[-1]} features, weight expects {in_f}")
+    hot = node.attrs["hot_channels"]
+    if node.weights["hot_rows"].shape != (max(len(hot), 1), out_f):
+        raise ValueError("hot_rows must hold one float row per hot channel")
+    if y.shape != (x.shape[0], out_f):
+        raise ValueError(f"the NPU result {y.shape} does not match the shadow output {(x.shape[0], out_f)}")
+    return [((_rows(node), out_f), "float32")]
+
+
 def _slice(node: "Node"):
     (x,) = node.inputs
     s, e = node.attrs["start"], node.attrs["end"]
@@ -153,7 +178,27 @@ OPS: dict[str, OpDef] = {
             _attention,
         ),
         OpDef("SelectRows", "dynamic", (1, 1), ("rows",), (), (), "pick the rows that need logits (last token, or all for scoring)", _select_rows),
+        OpDef(
+            "ShadowOutliers",
+            "dynamic",
+            (2, 2),
+            ("lo", "hi", "hot_channels"),
+            ("weight_t", "hot_rows"),
+            (),
+            "y + (x - clip(x, lo, hi)) @ W^T: adds the float outlier part to the NPU result y, on the CPU",
+            _shadow,
+        ),
         OpDef("Linear", "static", (1, 1), (), ("weight",), ("bias",), "x @ W^T (+ b)", _linear),
+        OpDef(
+            "QLinear",
+            "static",
+            (1, 1),
+            ("x_scale", "x_zero_point", "w_zero_point"),
+            ("qweight", "wscale"),
+            ("bias",),
+            "W8A8: dequant(quant_u8(x)) @ dequant(W_int8) (+ b); activations per tensor, weights symmetric",
+            _qlinear,
+        ),
         OpDef("RMSNorm", "static", (1, 1), ("eps", "offset"), ("weight",), (), "x * rsqrt(mean(x^2) + eps) * (offset + w)", _norm),
         OpDef("LayerNorm", "static", (1, 1), ("eps",), ("weight",), ("bias",), "(x - mean) / sqrt(var + eps) * w + b", _norm),
         OpDef("Act", "static", (1, 1), ("kind",), (), (), "element-wise activation: " + ", ".join(ACTIVATIONS), _same),

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Mapping, TypeVar
+from typing import Any, Callable, ClassVar, Iterable, Mapping, TypeVar
 
 from llmc.errors import LlmcError, PassError, PipelineError
 from llmc.ir import Graph
@@ -37,6 +37,24 @@ class CompileOptions:
     target: str = "cpu"
     chunk: int = 256
     max_context: int = 2048
+    # quantized targets
+    calib_file: str | None = None  # user calibration text; None = the built-in corpus
+    calib_tokens: int = 2048
+    cache_dir: str | None = None  # where calibration results are kept; None = no cache
+    shadow: bool = True  # shadow outlier execution (False = plain per-tensor W8A8)
+    clip_percentile: float = 99.0  # activation clip for shadow-enabled Linears (docs/quantization.md)
+    shadow_keep: float = 1.0  # fraction of Linear inputs (by importance) that keep a shadow path
+    pruned_percentile: float | None = 99.999  # clip of inputs whose shadow is pruned; None = calibration max
+    hot_budget: float = 0.01  # resident float shadow rows, as a fraction of the int8 weight bytes
+    weight_granularity: str = "channel"  # "channel" | "tensor"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInputs:
+    """What passes may need from the model source besides the IR."""
+
+    encode: Callable[[str], list[int]] | None  # tokenizer, if the model has one
+    fingerprint: str  # identity of the weights, for caches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +65,9 @@ class PassResult:
 class PassContext:
     """Options plus the typed analysis results produced so far."""
 
-    def __init__(self, options: CompileOptions) -> None:
+    def __init__(self, options: CompileOptions, inputs: ModelInputs | None = None) -> None:
         self.options = options
+        self.inputs = inputs or ModelInputs(None, "")
         self._analyses: dict[type, Any] = {}
 
     def put(self, result: Any) -> None:

@@ -4,14 +4,18 @@ The registry is this explicit list: a new pass is a new module plus one line
 here. ``llmc passes`` prints it.
 """
 
+from llmc.passes.calibrate import Calibrate
 from llmc.passes.chunk_static_graphs import ChunkStaticGraphs
 from llmc.passes.dce import DeadCodeElimination
+from llmc.passes.extract_shadow_outliers import ExtractShadowOutliers
+from llmc.passes.quantize import Quantize
 from llmc.passes.select_logit_rows import SelectLogitRows
 
-ALL_PASSES = [DeadCodeElimination, SelectLogitRows, ChunkStaticGraphs]
+ALL_PASSES = [DeadCodeElimination, Calibrate, ExtractShadowOutliers, Quantize, SelectLogitRows, ChunkStaticGraphs]
 REGISTRY = {p.name: p for p in ALL_PASSES}
 
 # The pipeline each target runs when --pipeline is not given.
 DEFAULT_PIPELINES = {
     "cpu": "dce,select_logit_rows,chunk_static_graphs",
+    "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,chunk_static_graphs",
 }

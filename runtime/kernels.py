@@ -113,3 +113,34 @@ def attention(
     full = np.zeros((rows, h * d), np.float32)
     full[:n] = out
     return full
+
+
+def shadow_outliers(
+    x: np.ndarray, y: np.ndarray, hot_rows: np.ndarray, weight_t: np.ndarray, hot_pos: np.ndarray, lo: float, hi: float, n: int
+) -> tuple[np.ndarray, int]:
+    """``y`` plus the float contribution of the entries of ``x`` outside ``[lo, hi]``.
+
+    ``y`` is the NPU's result on ``clip(x)``; the correction is
+    ``(x - clip(x)) @ W^T`` over the few channels that hold outliers.
+    ``hot_pos[c]`` is the row of ``hot_rows`` holding channel c's weights, or -1:
+    those rows are read from ``weight_t`` (``[in, out]``, memory-mapped) on demand.
+    Returns the corrected ``[rows, out]`` and the number of outlier entries.
+    """
+    xs = x[:n]
+    mask = (xs > hi) | (xs < lo)
+    count = int(np.count_nonzero(mask))
+    if count == 0:
+        return y, 0
+    chans = np.flatnonzero(mask.any(axis=0))
+    sub = xs[:, chans]
+    delta = sub - np.clip(sub, np.float32(lo), np.float32(hi))
+    pos = hot_pos[chans]
+    rows = np.empty((len(chans), weight_t.shape[1]), np.float32)
+    hot = pos >= 0
+    if hot.any():
+        rows[hot] = hot_rows[pos[hot]]
+    if not hot.all():
+        rows[~hot] = weight_t[chans[~hot]]
+    out = np.array(y, dtype=np.float32, copy=True)
+    out[:n] += delta @ rows
+    return out, count

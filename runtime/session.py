@@ -79,9 +79,11 @@ class Session:
 
     ``provider``: ``"cpu"`` runs every graph on ONNX Runtime's CPU provider;
     ``"auto"`` picks the best provider the bundle and machine support.
+    Every ONNX Runtime session is created up front (``lazy=True`` defers each
+    to its first use), so timings of a generation exclude graph preparation.
     """
 
-    def __init__(self, bundle: str | Path, provider: str = "auto", *, verify: bool = True, threads: int | None = None) -> None:
+    def __init__(self, bundle: str | Path, provider: str = "auto", *, verify: bool = True, threads: int | None = None, lazy: bool = False) -> None:
         import onnxruntime as ort
 
         if provider not in PROVIDERS:
@@ -107,6 +109,15 @@ class Session:
             s["attrs"]["layer"]: (s["attrs"]["num_kv_heads"], s["attrs"]["head_dim"]) for s in self.program if s["kind"] == "op" and s["op"] == "Attention"
         }
         self._head_steps = self._downstream_of_select()
+        self._hot_pos: dict[str, np.ndarray] = {}
+        for st in self.program:
+            if st["kind"] == "op" and st["op"] == "ShadowOutliers":
+                in_f = self._weights[st["weights"]["weight_t"]].shape[0]
+                pos = np.full(in_f, -1, np.int64)
+                pos[st["attrs"]["hot_channels"]] = np.arange(len(st["attrs"]["hot_channels"]))
+                self._hot_pos[st["name"]] = pos
+        # Outlier entries seen by each shadow path since the session was created.
+        self.outlier_counts: dict[str, int] = {name: 0 for name in self._hot_pos}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
         if tok.get("file"):
@@ -116,6 +127,8 @@ class Session:
         self.eos_ids = set(tok.get("eos_token_ids", []))
         self.cache: kernels.KVCache | None = None
         self.position = 0
+        if not lazy:
+            self.warmup()
 
     # -- setup -------------------------------------------------------------
     def _weight_view(self, name: str, w: dict) -> np.ndarray:
@@ -206,6 +219,11 @@ class Session:
             elif op == "Attention":
                 cos, sin = (ins[3], ins[4]) if len(ins) == 5 else (None, None)
                 res = [kernels.attention(ins[0], ins[1], ins[2], cos, sin, cache=self.cache, start=start, n=n, **a)]
+            elif op == "ShadowOutliers":
+                y, count = kernels.shadow_outliers(ins[0], ins[1], self._weights[s["weights"]["hot_rows"]], self._weights[s["weights"]["weight_t"]],
+                                                   self._hot_pos[s["name"]], a["lo"], a["hi"], n)
+                self.outlier_counts[s["name"]] += count
+                res = [y]
             elif op == "SelectRows":
                 res = [self._select(ins[0], logit_rows)]
             else:
