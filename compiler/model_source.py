@@ -138,6 +138,7 @@ def load(source: str) -> LoadedModel:
             raise ModelLoadError(f"model {source!r} not found: no such file or directory, and not a bundled name",
                                  hint="bundled models: " + ", ".join(BUNDLED))
 
+    transformers.utils.logging.disable_progress_bar()  # the CLI owns the terminal
     with _offline():
         try:
             config = transformers.AutoConfig.from_pretrained(directory, **kwargs)

