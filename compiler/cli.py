@@ -277,6 +277,34 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
 
 
 @cli.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--prompt-len", type=click.IntRange(1), default=512, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(2), default=32, show_default=True)
+@click.option("--repeat", type=click.IntRange(1), default=3, show_default=True, help="Measured runs (after one warm-up).")
+@click.option("--provider", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True)
+@click.option("--threads", type=click.IntRange(1), default=None)
+@click.option("--json", "as_json", is_flag=True)
+@_guard
+def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, as_json):
+    """Time a BUNDLE: TTFT, prefill and decode tokens/s (median and spread), peak RSS."""
+    import dataclasses
+
+    from llmc.runtime.bench import bench as run_bench
+
+    sess = _make_session(bundle, provider, threads)
+    if prompt_len + new_tokens > sess.max_context:
+        raise click.BadParameter(f"prompt-len + new-tokens = {prompt_len + new_tokens} exceeds the bundle's max context {sess.max_context}")
+    r = run_bench(sess, prompt_len, new_tokens, repeat)
+    if as_json:
+        click.echo(json.dumps(dataclasses.asdict(r)))
+        return
+    click.echo(f"{bundle}: {prompt_len}-token prompt, {new_tokens} new tokens, median of {repeat} runs (min..max)")
+    for label, f, unit in (("TTFT", r.ttft_s, "s"), ("prefill", r.prefill_tok_s, "tok/s"), ("decode", r.decode_tok_s, "tok/s")):
+        click.echo(f"  {label:<8} {f.median:10.3f} {unit:<6} ({f.min:.3f}..{f.max:.3f})")
+    click.echo(f"  peak RSS {r.peak_rss_mb:10.0f} MB")
+
+
+@cli.command()
 def passes():
     """List the available passes and the default pipeline of each target."""
     from llmc.passes import ALL_PASSES, DEFAULT_PIPELINES

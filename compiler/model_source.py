@@ -105,13 +105,17 @@ def check_config(config: Any, source: str) -> None:
 
 def load(source: str) -> LoadedModel:
     """Load ``source`` (see module docstring) as a float32 model in eval mode."""
+    # huggingface_hub reads these when first imported; set them before that, and
+    # pass local_files_only below as well, so no code path reaches the network.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
         import torch
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ModelLoadError(f"compiling needs {e.name}, which is not installed", hint="pip install -c constraints.txt 'llmc[compile]'") from e
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"local_files_only": True}
     if source in BUNDLED:
         path = bundled_model_path(source)
         directory, kwargs["gguf_file"] = path.parent, path.name

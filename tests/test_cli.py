@@ -97,3 +97,15 @@ def test_console_script_entry_point():
     assert out.returncode == 0
     for cmd in ("compile", "run", "inspect", "passes"):
         assert cmd in out.stdout
+
+
+def test_bench_json(bundles):
+    r = invoke("bench", bundles("llama"), "--prompt-len", 20, "--new-tokens", 4, "--repeat", 2, "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["prompt_tokens"] == 20 and res["repeat"] == 2
+    for k in ("ttft_s", "prefill_tok_s", "decode_tok_s"):
+        f = res[k]
+        assert f["min"] <= f["median"] <= f["max"] and f["median"] > 0
+    r = invoke("bench", bundles("llama"), "--prompt-len", 100)
+    assert r.exit_code == 2 and "max context" in r.output

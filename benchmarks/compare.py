@@ -1,0 +1,168 @@
+"""Compare compiled bundles with HF transformers eager and llama.cpp, in one run.
+
+Every engine runs in its own child process (one process tree, one run, no
+thread pools fighting each other), on the same token ids, after a warm-up, and
+reports the median of ``--repeat`` runs. The parent prints a table and the
+ratios against HF eager fp32 (and llama.cpp when ``llama-cpp-python`` is
+installed; it is skipped with a note otherwise).
+
+    python benchmarks/compare.py --bundle cpu=out/cpu --bundle npu=out/npu \
+        --prompt-lens 128,512,2048 --new-tokens 32
+
+The reference engines load the bundled SmolLM2-135M GGUF (``--gguf`` for another file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CHILD = r"""
+import json, sys, time, statistics
+cfg = json.load(open(sys.argv[1]))
+ids, n_new, repeat, engine = cfg["ids"], cfg["new_tokens"], cfg["repeat"], cfg["engine"]
+
+def med(xs):
+    return statistics.median(xs)
+
+def peak_mb():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+out = {"engine": engine}
+if engine == "llmc":
+    from llmc.runtime import Session
+    s = Session(cfg["bundle"])
+    s.generate(ids[:64], 2, stop_at_eos=False)
+    runs = [s.generate(ids, n_new, stop_at_eos=False).metrics for _ in range(repeat)]
+    out.update(prefill_tok_s=med([m.prefill_tok_s for m in runs]), decode_tok_s=med([m.decode_tok_s for m in runs]),
+               ttft_s=med([m.ttft_s for m in runs]))
+elif engine == "hf":
+    import torch, transformers as T
+    torch.set_num_threads(cfg["threads"])
+    p = cfg["gguf"]
+    import os
+    m = T.AutoModelForCausalLM.from_pretrained(os.path.dirname(p), gguf_file=os.path.basename(p), dtype=torch.float32,
+                                               attn_implementation="eager").eval()
+    x = torch.tensor([ids])
+    pre, dec = [], []
+    with torch.no_grad():
+        m(x[:, :64])
+        for _ in range(repeat):
+            t = time.perf_counter()
+            o = m(x, use_cache=True)
+            pre.append(time.perf_counter() - t)
+            past, tok = o.past_key_values, o.logits[:, -1:].argmax(-1)
+            t = time.perf_counter()
+            for _ in range(n_new - 1):
+                o = m(tok, past_key_values=past, use_cache=True)
+                past, tok = o.past_key_values, o.logits[:, -1:].argmax(-1)
+            dec.append(time.perf_counter() - t)
+    out.update(prefill_tok_s=len(ids) / med(pre), decode_tok_s=(n_new - 1) / med(dec), ttft_s=med(pre))
+elif engine == "llama.cpp":
+    from llama_cpp import Llama
+    llm = Llama(model_path=cfg["gguf"], n_ctx=len(ids) + n_new + 8, n_threads=cfg["threads"], n_batch=512, verbose=False)
+    pre, dec = [], []
+    for _ in range(repeat + 1):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        pre.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        tok = 0
+        for _ in range(n_new - 1):
+            llm.eval([tok])
+        dec.append(time.perf_counter() - t)
+    pre, dec = pre[1:], dec[1:]
+    out.update(prefill_tok_s=len(ids) / med(pre), decode_tok_s=(n_new - 1) / med(dec), ttft_s=med(pre))
+out["peak_rss_mb"] = peak_mb()
+print(json.dumps(out))
+"""
+
+
+def token_ids(bundle: Path, n: int) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(bundle / "tokenizer" / "tokenizer.json"))
+    text = "The history of the river valley is a long story of farms, floods, towns and trade. " * (n // 8 + 8)
+    return tok.encode(text).ids[:n]
+
+
+def run_child(cfg: dict) -> dict:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(cfg, f)
+    r = subprocess.run([sys.executable, "-c", CHILD, f.name], capture_output=True, text=True)
+    Path(f.name).unlink()
+    if r.returncode != 0:
+        return {"engine": cfg["engine"], "error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR", help="a compiled bundle to measure (repeatable)")
+    ap.add_argument("--prompt-lens", default="128,512,2048")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gguf", default=None, help="GGUF for the reference engines (default: the bundled SmolLM2)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if not args.bundle:
+        ap.error("give at least one --bundle NAME=DIR")
+    bundles = dict(b.split("=", 1) for b in args.bundle)
+    gguf = args.gguf
+    if gguf is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from llmc.model_source import bundled_model_path
+
+        gguf = str(bundled_model_path("smollm2-135m"))
+    try:
+        import llama_cpp  # noqa: F401
+
+        have_llama = True
+    except ImportError:
+        have_llama = False
+    first = Path(next(iter(bundles.values())))
+    max_ctx = json.loads((first / "manifest.json").read_text())["max_context"]
+    rows = []
+    for n in [int(x) for x in args.prompt_lens.split(",")]:
+        n_eff = min(n, max_ctx - args.new_tokens)
+        ids = token_ids(first, n_eff)
+        base = {"ids": ids, "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads, "gguf": gguf}
+        results = {name: run_child({**base, "engine": "llmc", "bundle": d}) for name, d in bundles.items()}
+        results["hf-eager"] = run_child({**base, "engine": "hf"})
+        if have_llama:
+            results["llama.cpp"] = run_child({**base, "engine": "llama.cpp"})
+        rows.append({"prompt_tokens": n_eff, "results": results})
+    if args.json:
+        print(json.dumps({"runs": rows, "llama_cpp": have_llama}))
+        return
+    if not have_llama:
+        print("note: llama-cpp-python is not installed; llama.cpp skipped (pip install llama-cpp-python builds it from source)")
+    for row in rows:
+        res = row["results"]
+        hf = res["hf-eager"]
+        lc = res.get("llama.cpp")
+        print(f"\nprompt {row['prompt_tokens']} tokens, {args.new_tokens} new tokens, median of {args.repeat}")
+        print(f"  {'engine':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MB':>12} {'prefill/HF':>11} {'decode/HF':>10}"
+              + (f" {'prefill/llama':>14} {'decode/llama':>13}" if lc and "error" not in lc else ""))
+        for name, r in res.items():
+            if "error" in r:
+                print(f"  {name:<12} error: {r['error']}")
+                continue
+            line = f"  {name:<12} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f} {r['peak_rss_mb']:12.0f}"
+            if "error" not in hf:
+                line += f" {r['prefill_tok_s'] / hf['prefill_tok_s']:10.2f}x {r['decode_tok_s'] / hf['decode_tok_s']:9.2f}x"
+            if lc and "error" not in lc:
+                line += f" {r['prefill_tok_s'] / lc['prefill_tok_s']:13.2f}x {r['decode_tok_s'] / lc['decode_tok_s']:12.2f}x"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Repeatable timing of a bundle: TTFT, prefill and decode tokens/s, peak RSS.
+
+Runs a warm-up generation, then ``repeat`` measured ones on the same prompt, and
+reports the median and the spread (min..max) of each figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Sequence
+
+import numpy as np
+
+from llmc.runtime.session import Session, peak_rss_mb
+
+
+@dataclasses.dataclass
+class Figure:
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, xs: Sequence[float]) -> "Figure":
+        return cls(statistics.median(xs), min(xs), max(xs))
+
+
+@dataclasses.dataclass
+class BenchResult:
+    bundle: str
+    provider: str
+    prompt_tokens: int
+    new_tokens: int
+    repeat: int
+    ttft_s: Figure
+    prefill_tok_s: Figure
+    decode_tok_s: Figure
+    peak_rss_mb: float
+
+
+def prompt_ids(session: Session, n: int, seed: int = 0) -> list[int]:
+    """``n`` deterministic token ids: tokenized English if the bundle has a tokenizer, else random ids."""
+    vocab = int(session.manifest["model"]["vocab_size"])
+    if session.tokenizer is not None:
+        text = ("The quick brown fox jumps over the lazy dog while the river runs to the sea. " * (n // 8 + 8))
+        ids = session.encode(text)
+        if len(ids) >= n:
+            return ids[:n]
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, vocab, size=n)]
+
+
+def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat: int = 3, warmup: int = 1) -> BenchResult:
+    ids = prompt_ids(session, prompt_len)
+    for _ in range(warmup):
+        session.generate(ids, min(new_tokens, 4), stop_at_eos=False)
+    runs = [session.generate(ids, new_tokens, stop_at_eos=False).metrics for _ in range(repeat)]
+    return BenchResult(
+        str(session.bundle),
+        session.provider,
+        prompt_len,
+        new_tokens,
+        repeat,
+        Figure.of([m.ttft_s for m in runs]),
+        Figure.of([m.prefill_tok_s for m in runs]),
+        Figure.of([m.decode_tok_s for m in runs]),
+        peak_rss_mb(),
+    )
