@@ -56,8 +56,11 @@ def cli(verbose: int) -> None:
 @cli.command()
 @click.argument("model")
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False), help="Bundle directory to write (replaced atomically).")
-@click.option("--target", type=click.Choice(["cpu", "npu"]), default="cpu", show_default=True,
-              help="cpu: float32 static graphs. npu: W8A8 QDQ graphs with shadow outliers (run on ONNX Runtime's CPU provider until QNN lands).")
+@click.option("--target", type=click.Choice(["cpu", "npu", "mlir"]), default="cpu", show_default=True,
+              help="cpu: float32 static graphs. npu: W8A8 QDQ graphs with shadow outliers. "
+                   "mlir: the cpu bundle plus every static subgraph as MLIR (needs llmc[mlir]).")
+@click.option("--mlir-dialect", type=click.Choice(["tosa", "linalg"]), default="tosa", show_default=True, help="[mlir] Dialect of the emitted modules.")
+@click.option("--repro-dir", type=click.Path(file_okay=False), default=None, help="[mlir] Where lowering reproducers go (default: llmc-repro/ next to -o).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C (rows of the shared static graphs).")
 @click.option("--max-context", type=click.IntRange(1), default=2048, show_default=True, help="Longest prompt + generation the bundle accepts (KV cache size).")
 @click.option("--pipeline", default=None, help="Comma-separated passes to run (see `llmc passes`); default depends on --target.")
@@ -75,7 +78,7 @@ def cli(verbose: int) -> None:
 @click.option("--no-cache", is_flag=True, help="Do not read or write the calibration cache.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @_guard
-def compile(model, out, target, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
+def compile(model, out, target, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
             shadow_keep, pruned_percentile, hot_budget, weight_granularity, cache_dir, no_cache, quiet):
     """Compile MODEL into a bundle.
 
@@ -103,6 +106,7 @@ def compile(model, out, target, chunk, max_context, pipeline, dump_ir, time_pass
         cache_dir = os.environ.get("LLMC_CACHE_DIR") or str(Path.home() / ".cache" / "llmc")
     summary = compile_model(
         model, out, target=target, chunk=chunk, max_context=max_context, pipeline=pipeline, instruments=instruments, progress=progress,
+        mlir_dialect=mlir_dialect, repro_dir=repro_dir,
         calib_file=calib_file, calib_tokens=calib_tokens, cache_dir=cache_dir, shadow=not no_shadow, clip_percentile=clip_percentile,
         shadow_keep=shadow_keep, pruned_percentile=None if pruned_percentile >= 100 else pruned_percentile, hot_budget=hot_budget,
         weight_granularity=weight_granularity,

@@ -20,7 +20,7 @@ from llmc.pass_manager import CompileOptions, Instrument, ModelInputs, PassConte
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("cpu", "npu")
+TARGETS = ("cpu", "npu", "mlir")
 STAGES = ("load", "trace", "lift", "passes", "emit")
 
 
@@ -50,10 +50,14 @@ def compile_model(
     pipeline: str | None = None,
     instruments: Iterable[Instrument] = (),
     progress: Callable[[str], None] | None = None,
+    mlir_dialect: str = "tosa",
+    repro_dir: str | Path | None = None,
     **quant_options: Any,
 ) -> CompileSummary:
     """Compile ``source`` into the bundle directory ``out``.
 
+    ``target="mlir"`` compiles the float32 pipeline, writes the runnable ONNX
+    bundle and, next to it, every static subgraph as ``mlir_dialect`` MLIR.
     ``quant_options`` are the quantization fields of :class:`CompileOptions`
     (calib_file, calib_tokens, cache_dir, shadow, clip_percentile, shadow_keep,
     pruned_percentile, hot_budget, weight_granularity); they matter for ``target="npu"``.
@@ -68,6 +72,12 @@ def compile_model(
         raise CompileError(f"target {target!r} is not available in this version", hint="available targets: " + ", ".join(TARGETS))
     if chunk < 1 or max_context < 1 or chunk > max_context:
         raise CompileError(f"--chunk {chunk} must be between 1 and --max-context {max_context}")
+    if target == "mlir":
+        from llmc.backends.mlir_backend import DIALECTS, MlirBackendError, require_torch_mlir
+
+        require_torch_mlir()  # fail before the slow stages
+        if mlir_dialect not in DIALECTS:
+            raise MlirBackendError(f"unknown MLIR dialect {mlir_dialect!r}", hint="choose one of: " + ", ".join(DIALECTS))
     passes = parse_pipeline(pipeline or default_pipeline(target), REGISTRY)  # fail fast on a bad --pipeline
     try:
         options = CompileOptions(target=target, chunk=chunk, max_context=max_context, **quant_options)
@@ -112,6 +122,11 @@ def compile_model(
         weights = onnx_backend.write_weights(graph, order, root)
         graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu")
         tok = _write_tokenizer(loaded, root)
+        mlir = None
+        if target == "mlir":
+            from llmc.backends.mlir_backend import emit_mlir
+
+            mlir = emit_mlir(graph, plan, root, mlir_dialect, Path(repro_dir) if repro_dir else Path(out).absolute().parent / "llmc-repro")
         manifest = {
             "llmc_version": __version__,
             "target": target,
@@ -125,6 +140,8 @@ def compile_model(
             "program": _program(graph, plan),
             "tokenizer": tok,
         }
+        if mlir is not None:
+            manifest["mlir"] = mlir
         report = build_report(graph, ctx, weights)
         if report:
             (root / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")

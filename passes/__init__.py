@@ -18,4 +18,5 @@ REGISTRY = {p.name: p for p in ALL_PASSES}
 DEFAULT_PIPELINES = {
     "cpu": "dce,select_logit_rows,chunk_static_graphs",
     "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,chunk_static_graphs",
+    "mlir": "dce,select_logit_rows,chunk_static_graphs",
 }

@@ -74,6 +74,8 @@ def load_manifest(bundle: str | Path, verify: bool = True) -> dict[str, Any]:
     referenced = [w["file"] for w in manifest.get("weights", {}).values()]
     for g in manifest.get("graphs", {}).values():
         referenced += [inst["file"] for inst in g["instances"].values()]
+    for g in (manifest.get("mlir") or {}).values():
+        referenced += [inst["file"] for inst in g.values()]
     tok = manifest.get("tokenizer") or {}
     if tok.get("file"):
         referenced.append(tok["file"])
