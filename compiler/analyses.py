@@ -146,3 +146,11 @@ class ShadowPlan:
     percentile: float
     keep_fraction: float
     enabled: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueRanges:
+    """Observed [min, max] of every value of the (quantized) graph, for full-QDQ backends."""
+
+    ranges: dict[str, tuple[float, float]]
+    tokens: int

@@ -59,6 +59,9 @@ def cli(verbose: int) -> None:
 @click.option("--target", type=click.Choice(["cpu", "npu", "mlir"]), default="cpu", show_default=True,
               help="cpu: float32 static graphs. npu: W8A8 QDQ graphs with shadow outliers. "
                    "mlir: the cpu bundle plus every static subgraph as MLIR (needs llmc[mlir]).")
+@click.option("--soc", type=click.Choice(["8gen2", "8gen3", "8elite"]), default=None,
+              help="[npu] Also build QNN HTP context binaries for this Snapdragon (v73 / v75 / v79); needs llmc[qnn].")
+@click.option("--qnn-shard-mb", type=click.IntRange(1), default=None, help="[npu] Largest weights per QNN context binary (default 2048 MB).")
 @click.option("--mlir-dialect", type=click.Choice(["tosa", "linalg"]), default="tosa", show_default=True, help="[mlir] Dialect of the emitted modules.")
 @click.option("--repro-dir", type=click.Path(file_okay=False), default=None, help="[mlir] Where lowering reproducers go (default: llmc-repro/ next to -o).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C (rows of the shared static graphs).")
@@ -78,7 +81,7 @@ def cli(verbose: int) -> None:
 @click.option("--no-cache", is_flag=True, help="Do not read or write the calibration cache.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @_guard
-def compile(model, out, target, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
+def compile(model, out, target, soc, qnn_shard_mb, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
             shadow_keep, pruned_percentile, hot_budget, weight_granularity, cache_dir, no_cache, quiet):
     """Compile MODEL into a bundle.
 
@@ -106,7 +109,7 @@ def compile(model, out, target, mlir_dialect, repro_dir, chunk, max_context, pip
         cache_dir = os.environ.get("LLMC_CACHE_DIR") or str(Path.home() / ".cache" / "llmc")
     summary = compile_model(
         model, out, target=target, chunk=chunk, max_context=max_context, pipeline=pipeline, instruments=instruments, progress=progress,
-        mlir_dialect=mlir_dialect, repro_dir=repro_dir,
+        mlir_dialect=mlir_dialect, repro_dir=repro_dir, soc=soc, qnn_shard_bytes=qnn_shard_mb << 20 if qnn_shard_mb else None,
         calib_file=calib_file, calib_tokens=calib_tokens, cache_dir=cache_dir, shadow=not no_shadow, clip_percentile=clip_percentile,
         shadow_keep=shadow_keep, pruned_percentile=None if pruned_percentile >= 100 else pruned_percentile, hot_budget=hot_budget,
         weight_granularity=weight_granularity,
@@ -115,6 +118,8 @@ def compile(model, out, target, mlir_dialect, repro_dir, chunk, max_context, pip
         click.echo("pass timings:", err=True)
         for name, secs, changed in timing.rows:
             click.echo(f"  {name:<24} {secs * 1000:9.1f} ms  {'changed' if changed else 'unchanged'}", err=True)
+    if summary.qnn:
+        click.echo(summary.qnn, err=True)
     click.echo(
         f"wrote {summary.bundle}: {summary.graphs} static subgraphs ({summary.graph_files} ONNX files), "
         f"{summary.weight_bytes / 1e6:.1f} MB of weights, pipeline {summary.pipeline}, {time.perf_counter() - t0:.1f}s"
@@ -139,7 +144,8 @@ def _make_session(bundle, provider, threads):
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0)
 @click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same tokens).")
 @click.option("--no-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
-@click.option("--provider", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True)
+@click.option("--provider", type=click.Choice(["auto", "cpu", "qnn"]), default="auto", show_default=True,
+              help="qnn: NPU graphs on the QNN HTP backend (simulator on x86_64); auto: qnn when available and built, else cpu.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, timings) instead of streaming text.")
 @_guard
@@ -212,6 +218,8 @@ def inspect(bundle, as_json, no_verify):
         "graph_file_bytes": graph_bytes,
         "program": [s["name"] if s["kind"] == "graph" else f"{s['op']}:{s['name']}" for s in m["program"]],
         "total_bytes": sum(f["bytes"] for f in files.values()),
+        "qnn": _qnn_summary(m.get("qnn")),
+        "mlir": sorted({e["dialect"] for g in (m.get("mlir") or {}).values() for e in g.values()}),
     }
     if as_json:
         click.echo(json.dumps(summary, indent=1))
@@ -229,6 +237,16 @@ def inspect(bundle, as_json, no_verify):
                    f"in {', '.join(g['inputs'])}  out {', '.join(g['outputs'])}")
     steps = summary["program"]
     click.echo(f"program    {len(steps)} steps per chunk: {' -> '.join(steps[:8])}{' -> ...' if len(steps) > 8 else ''}")
+    q = summary["qnn"]
+    if q is not None:
+        if "skipped" in q:
+            click.echo(f"qnn        skipped: {q['skipped']}")
+        else:
+            click.echo(f"qnn        {q['soc']} (HTP {q['htp_arch']}), {q['graphs']} graph instances in {len(q['binaries'])} context binaries:")
+            for b in q["binaries"]:
+                click.echo(f"  shard {b['shard']:<3} {', '.join(b['files'])}  {b['bytes'] / 1e6:.2f} MB  ({len(b['graphs'])} graphs share its weights)")
+    if summary["mlir"]:
+        click.echo(f"mlir       {', '.join(summary['mlir'])} modules for every subgraph instance (mlir/)")
     click.echo(f"total      {summary['total_bytes'] / 1e6:.1f} MB in {len(files)} files")
 
 
@@ -285,7 +303,7 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
 @click.option("--prompt-len", type=click.IntRange(1), default=512, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(2), default=32, show_default=True)
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True, help="Measured runs (after one warm-up).")
-@click.option("--provider", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True)
+@click.option("--provider", type=click.Choice(["auto", "cpu", "qnn"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=None)
 @click.option("--json", "as_json", is_flag=True)
 @_guard
@@ -306,6 +324,15 @@ def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, as_json):
     for label, f, unit in (("TTFT", r.ttft_s, "s"), ("prefill", r.prefill_tok_s, "tok/s"), ("decode", r.decode_tok_s, "tok/s")):
         click.echo(f"  {label:<8} {f.median:10.3f} {unit:<6} ({f.min:.3f}..{f.max:.3f})")
     click.echo(f"  peak RSS {r.peak_rss_mb:10.0f} MB")
+
+
+def _qnn_summary(q):
+    if q is None:
+        return None
+    if "skipped" in q:
+        return {"skipped": q["skipped"]}
+    return {"soc": q["soc"], "htp_arch": q["htp_arch"], "versions": q["versions"],
+            "graphs": sum(len(g) for g in q["graphs"].values()), "binaries": q["binaries"]}
 
 
 @cli.command()

@@ -21,7 +21,7 @@ from llmc.pass_manager import CompileOptions, Instrument, ModelInputs, PassConte
 log = logging.getLogger(__name__)
 
 TARGETS = ("cpu", "npu", "mlir")
-STAGES = ("load", "trace", "lift", "passes", "emit")
+STAGES = ("load", "trace", "lift", "passes", "emit", "qnn")
 
 
 @dataclasses.dataclass
@@ -32,6 +32,7 @@ class CompileSummary:
     graph_files: int
     weight_bytes: int
     seconds: dict[str, float]
+    qnn: str | None = None  # what happened to the QNN part, for the CLI
 
 
 def default_pipeline(target: str) -> str:
@@ -52,6 +53,8 @@ def compile_model(
     progress: Callable[[str], None] | None = None,
     mlir_dialect: str = "tosa",
     repro_dir: str | Path | None = None,
+    soc: str | None = None,
+    qnn_shard_bytes: int | None = None,
     **quant_options: Any,
 ) -> CompileSummary:
     """Compile ``source`` into the bundle directory ``out``.
@@ -78,7 +81,23 @@ def compile_model(
         require_torch_mlir()  # fail before the slow stages
         if mlir_dialect not in DIALECTS:
             raise MlirBackendError(f"unknown MLIR dialect {mlir_dialect!r}", hint="choose one of: " + ", ".join(DIALECTS))
-    passes = parse_pipeline(pipeline or default_pipeline(target), REGISTRY)  # fail fast on a bad --pipeline
+    if soc is not None and target != "npu":
+        raise CompileError(f"--soc applies to --target npu, not {target}")
+    qnn_skip = None
+    if target == "npu":
+        from llmc.backends.qnn_backend import SOCS
+        from llmc.runtime.qnn import qnn_available
+
+        if soc is None:
+            qnn_skip = "no --soc given (choose one of: " + ", ".join(SOCS) + ")"
+        elif soc not in SOCS:
+            raise CompileError(f"unknown SoC {soc!r}", hint="choose one of: " + ", ".join(SOCS))
+        else:
+            qnn_skip = qnn_available()
+        if qnn_skip:
+            log.warning("QNN context binaries skipped: %s; the bundle has the ONNX graphs only", qnn_skip)
+    default = "npu-qnn" if target == "npu" and not qnn_skip else target
+    passes = parse_pipeline(pipeline or default_pipeline(default), REGISTRY)  # fail fast on a bad --pipeline
     try:
         options = CompileOptions(target=target, chunk=chunk, max_context=max_context, **quant_options)
     except TypeError as e:
@@ -122,6 +141,16 @@ def compile_model(
         weights = onnx_backend.write_weights(graph, order, root)
         graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu")
         tok = _write_tokenizer(loaded, root)
+        qnn = None
+        if target == "npu":
+            if qnn_skip:
+                qnn = {"skipped": qnn_skip}
+            else:
+                from llmc.analyses import ValueRanges
+                from llmc.backends.qnn_backend import DEFAULT_SHARD_BYTES, emit_qnn
+
+                notify("qnn")
+                qnn = emit_qnn(graph, plan, weights, ctx.get(ValueRanges), root, soc, qnn_shard_bytes or DEFAULT_SHARD_BYTES)
         mlir = None
         if target == "mlir":
             from llmc.backends.mlir_backend import emit_mlir
@@ -142,6 +171,8 @@ def compile_model(
         }
         if mlir is not None:
             manifest["mlir"] = mlir
+        if qnn is not None:
+            manifest["qnn"] = qnn
         report = build_report(graph, ctx, weights)
         if report:
             (root / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
@@ -154,6 +185,9 @@ def compile_model(
         sum(len(g["instances"]) for g in graphs.values()),
         sum(w["nbytes"] for w in weights.values()),
         seconds,
+        None if qnn is None else (f"QNN part skipped: {qnn['skipped']}" if "skipped" in qnn else
+                                  f"QNN HTP {qnn['htp_arch']} for {qnn['soc']}: {sum(len(b['files']) for b in qnn['binaries'])} context binaries, "
+                                  f"{sum(b['bytes'] for b in qnn['binaries']) / 1e6:.1f} MB"),
     )
 
 

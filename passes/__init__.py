@@ -5,13 +5,14 @@ here. ``llmc passes`` prints it.
 """
 
 from llmc.passes.calibrate import Calibrate
+from llmc.passes.calibrate_ranges import CalibrateRanges
 from llmc.passes.chunk_static_graphs import ChunkStaticGraphs
 from llmc.passes.dce import DeadCodeElimination
 from llmc.passes.extract_shadow_outliers import ExtractShadowOutliers
 from llmc.passes.quantize import Quantize
 from llmc.passes.select_logit_rows import SelectLogitRows
 
-ALL_PASSES = [DeadCodeElimination, Calibrate, ExtractShadowOutliers, Quantize, SelectLogitRows, ChunkStaticGraphs]
+ALL_PASSES = [DeadCodeElimination, Calibrate, ExtractShadowOutliers, Quantize, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs]
 REGISTRY = {p.name: p for p in ALL_PASSES}
 
 # The pipeline each target runs when --pipeline is not given.
@@ -19,4 +20,6 @@ DEFAULT_PIPELINES = {
     "cpu": "dce,select_logit_rows,chunk_static_graphs",
     "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,chunk_static_graphs",
     "mlir": "dce,select_logit_rows,chunk_static_graphs",
+    # --target npu --soc S: every NPU tensor gets a QDQ range for the HTP
+    "npu-qnn": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,calibrate_ranges,chunk_static_graphs",
 }

@@ -76,6 +76,9 @@ def load_manifest(bundle: str | Path, verify: bool = True) -> dict[str, Any]:
         referenced += [inst["file"] for inst in g["instances"].values()]
     for g in (manifest.get("mlir") or {}).values():
         referenced += [inst["file"] for inst in g.values()]
+    for g in ((manifest.get("qnn") or {}).get("graphs") or {}).values():
+        for inst in g.values():
+            referenced += [inst[k] for k in ("qdq", "context", "binary") if k in inst]
     tok = manifest.get("tokenizer") or {}
     if tok.get("file"):
         referenced.append(tok["file"])

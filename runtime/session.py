@@ -27,7 +27,7 @@ from llmc.runtime.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
-PROVIDERS = ("auto", "cpu")
+PROVIDERS = ("auto", "cpu", "qnn")
 
 
 @dataclasses.dataclass
@@ -78,7 +78,11 @@ class Session:
     """A loaded bundle, ready to generate.
 
     ``provider``: ``"cpu"`` runs every graph on ONNX Runtime's CPU provider;
-    ``"auto"`` picks the best provider the bundle and machine support.
+    ``"qnn"`` runs the NPU subgraphs on the QNN HTP backend (context binaries on
+    the device; on x86_64 the simulator runs the bundle's fully quantized QDQ
+    graphs, since it cannot load weight-shared contexts) and everything else on
+    the CPU; ``"auto"`` picks ``qnn`` when onnxruntime-qnn is importable and the
+    bundle has QNN artifacts, else ``cpu``.
     Every ONNX Runtime session is created up front (``lazy=True`` defers each
     to its first use), so timings of a generation exclude graph preparation.
     """
@@ -90,7 +94,7 @@ class Session:
             raise ProviderError(f"unknown provider {provider!r}", hint="choose one of: " + ", ".join(PROVIDERS))
         self.bundle = Path(bundle)
         self.manifest = load_manifest(self.bundle, verify=verify)
-        self.provider = "cpu"
+        self.provider = self._choose_provider(provider)
         self._ort = ort
         m = self.manifest
         self.chunk = int(m["chunk"])
@@ -131,6 +135,23 @@ class Session:
             self.warmup()
 
     # -- setup -------------------------------------------------------------
+    def _choose_provider(self, requested: str) -> str:
+        from llmc.runtime.qnn import qnn_available
+
+        q = self.manifest.get("qnn") or {}
+        has = bool(q.get("graphs"))
+        if requested == "qnn":
+            if not has:
+                why = q.get("skipped", "it was compiled without --soc")
+                raise ProviderError(f"{self.bundle} has no QNN artifacts: {why}", hint="recompile with --target npu --soc 8gen3 (or another SoC)")
+            reason = qnn_available()
+            if reason:
+                raise ProviderError(f"--provider qnn: {reason}", hint="pip install 'llmc[qnn]', or use --provider cpu")
+            return "qnn"
+        if requested == "auto" and has and qnn_available() is None:
+            return "qnn"
+        return "cpu"
+
     def _weight_view(self, name: str, w: dict) -> np.ndarray:
         rel = w["file"]
         if rel not in self._maps:
@@ -150,11 +171,41 @@ class Session:
                 tainted.update(s["outputs"])
         return steps
 
+    def _qnn_session(self, graph: str, rows: int):
+        """The QNN HTP session of an NPU graph instance and the prefix of its tensor names."""
+        from llmc.runtime.qnn import on_simulator, provider_options, register_qnn
+
+        q = self.manifest["qnn"]
+        inst = q["graphs"][graph][str(rows)]
+        ort, oq, devices = register_qnn()
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        opts = provider_options(oq, q["htp_arch"], q["soc_model"])
+        if on_simulator():
+            names = list(self.graphs[graph]["weights"])
+            for n in names:
+                if n not in self._ortvalues:
+                    self._ortvalues[n] = ort.OrtValue.ortvalue_from_numpy(self._weights[n])
+            names = [n for n in names if n.endswith(".q8")]  # the only weights the QDQ graphs read by name
+            if names:
+                so.add_external_initializers(names, [self._ortvalues[n] for n in names])
+            so.add_provider_for_devices(devices, opts)
+            sess = ort.InferenceSession(resolve_inside(self.bundle, inst["qdq"]).read_bytes(), so)
+        else:  # on the device: the weight-shared context binaries
+            so.add_session_config_entry("ep.share_ep_contexts", "1")
+            so.add_provider_for_devices(devices, opts)
+            sess = ort.InferenceSession(str(resolve_inside(self.bundle, inst["context"])), so)
+        return sess, inst["io_prefix"]
+
     def _session(self, graph: str, rows: int):
         key = (graph, rows)
         sess = self._sessions.get(key)
         if sess is not None:
             return sess
+        if self.provider == "qnn" and graph in self.manifest["qnn"]["graphs"]:
+            self._sessions[key] = self._qnn_session(graph, rows)
+            return self._sessions[key]
         ort = self._ort
         g = self.graphs[graph]
         inst = g["instances"].get(str(rows))
@@ -177,8 +228,8 @@ class Session:
             so.add_external_initializers(names, [self._ortvalues[n] for n in names])
         model_bytes = resolve_inside(self.bundle, inst["file"]).read_bytes()
         sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
-        self._sessions[key] = sess
-        return sess
+        self._sessions[key] = (sess, "")
+        return self._sessions[key]
 
     def warmup(self) -> None:
         """Create every ONNX Runtime session now instead of on first use."""
@@ -206,9 +257,9 @@ class Session:
             if logit_rows is None and i in self._head_steps:
                 continue
             if s["kind"] == "graph":
-                feeds = {name: buf[name] for name in s["inputs"]}
-                r = next(iter(feeds.values())).shape[0]
-                outs = self._session(s["name"], r).run(s["outputs"], feeds)
+                r = buf[s["inputs"][0]].shape[0]
+                sess, prefix = self._session(s["name"], r)
+                outs = sess.run([prefix + o for o in s["outputs"]], {prefix + name: buf[name] for name in s["inputs"]})
                 buf.update(zip(s["outputs"], outs))
                 continue
             op, a, ins = s["op"], s.get("attrs", {}), [buf[x] for x in s["inputs"]]

@@ -23,7 +23,7 @@ def test_compile_run_inspect(model_dirs, tmp_path):
     r = invoke("compile", model_dirs("llama"), "--target", "cpu", "-o", out, "--chunk", CHUNK, "--max-context", 48,
                "--time-passes", "--dump-ir", tmp_path / "ir")
     assert r.exit_code == 0, r.output
-    assert "wrote" in r.output and "[5/5] emit" in r.output and "chunk_static_graphs" in r.output
+    assert "wrote" in r.output and "] emit" in r.output and "chunk_static_graphs" in r.output
     assert (tmp_path / "ir" / "03-chunk_static_graphs.ir").is_file()
 
     r = invoke("run", out, "--prompt", "the quick brown fox", "--max-new-tokens", 5, "--no-eos", "--json")

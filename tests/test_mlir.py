@@ -55,7 +55,7 @@ def test_linalg_modules_match_onnx(mlir_bundles):
         for rows, e in inst.items():
             g = m["graphs"][name]
             feeds = {i["name"]: rng.standard_normal((int(rows), i["features"])).astype(np.float32) for i in g["inputs"]}
-            want = s._session(name, int(rows)).run([o["name"] for o in g["outputs"]], feeds)
+            want = s._session(name, int(rows))[0].run([o["name"] for o in g["outputs"]], feeds)
             args = [feeds[a] if a in feeds else np.asarray(s._weights[a]) for a in e["args"]]
             got = execute_linalg((d / e["file"]).read_text(), e["function"], args)
             assert len(got) == len(want)

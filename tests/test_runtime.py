@@ -53,8 +53,8 @@ def _imports(folder: str) -> set[str]:
 
 
 def test_layering():
-    """runtime imports only numpy/onnxruntime/tokenizers/stdlib + itself; passes and backends don't import each other."""
-    allowed_third_party = {"numpy", "onnxruntime", "tokenizers"}
+    """runtime imports only numpy/onnxruntime(+qnn)/tokenizers/stdlib + itself; passes and backends don't import each other."""
+    allowed_third_party = {"numpy", "onnxruntime", "onnxruntime_qnn", "tokenizers"}
     for mod in _imports("runtime"):
         top = mod.split(".")[0]
         if top == "llmc":

@@ -1,0 +1,311 @@
+"""QNN backend: fully quantized NPU subgraphs and QNN HTP context binaries.
+
+For ``--target npu --soc S`` every static (NPU) subgraph instance is written a
+second time as a *fully quantized* QDQ ONNX graph, ``qnn/<name>.r<rows>.onnx``,
+in the form the QNN HTP backend runs without CPU fallback:
+
+* every activation tensor carries a uint16 Quantize/Dequantize pair with the
+  range ``calibrate_ranges`` observed (norms, residual adds, activations,
+  Linear outputs);
+* a ``QLinear`` keeps the bundle's W8A8 numerics: its input is quantized to the
+  plan's uint8 grid, then re-expressed exactly in uint16 (scale / 256, zero point
+  128 * 256) so the HTP MatMul group (uint16 in and out, uint8 weights with
+  per-channel zero point 128 — the same bytes as the CPU graphs) sees exactly
+  the 8-bit input values; weight bytes are shared with ``weights/weights.bin``;
+* small constants (norm scales, biases, scalar multipliers) are quantized inline.
+
+Those graphs are then compiled by ONNX Runtime's QNN execution provider
+(``onnxruntime-qnn``) for the SoC's HTP architecture into EP-context models
+(``qnn/ctx/<shard>/<name>.r<rows>_ctx.onnx``) whose graphs share one context
+binary per shard (``ep.share_ep_contexts``): prefill and decode instances of a
+subgraph hold one copy of its weights. Shards split the model by layers so no
+context exceeds ``shard_bytes`` of weights.
+
+Deployment loads the context binaries on the device. The x86_64 HTP simulator
+cannot load weight-shared contexts, so on x86_64 the runtime runs the very same
+fully quantized graphs through the QNN EP, which prepares them for the HTP in
+the session (see the manifest's ``qnn.x86_64_route``).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmc.analyses import ChunkPlan, ShadowPlan, Subgraph, ValueRanges
+from llmc.errors import LlmcError
+from llmc.ir import Graph, Node
+from llmc.runtime.qnn import provider_options, qnn_available, register_qnn
+
+log = logging.getLogger(__name__)
+
+# SoC name -> (HTP architecture, QNN soc_model id). HTP archs from the QNN / ONNX
+# Runtime QNN EP docs (8 Gen 2 = v73, 8 Gen 3 = v75, 8 Elite = v79).
+SOCS = {
+    "8gen2": ("73", "43"),
+    "8gen3": ("75", "57"),
+    "8elite": ("79", "69"),
+}
+DEFAULT_SHARD_BYTES = 2 << 30  # well under the ~4 GB the HTP can address
+MARGIN = 1.25  # head-room on observed ranges before uint16 saturates
+
+
+class QnnBackendError(LlmcError):
+    exit_code = 9
+
+
+def versions() -> dict[str, str]:
+    import onnxruntime as ort
+    from importlib.metadata import version
+
+    return {"onnxruntime": ort.__version__, "onnxruntime_qnn": version("onnxruntime-qnn")}
+
+
+def _u16(lo: float, hi: float) -> tuple[np.float32, np.uint16]:
+    lo, hi = min(lo * MARGIN, 0.0), max(hi * MARGIN, 0.0)
+    if hi - lo < 1e-8:
+        hi = lo + 1e-3
+    scale = np.float32((hi - lo) / 65535.0)
+    zp = np.uint16(int(np.clip(np.rint(-lo / scale), 0, 65535)))
+    return scale, zp
+
+
+class _Builder:
+    def __init__(self, graph: Graph, sub: Subgraph, rows: int, weights: dict[str, dict[str, Any]], ranges: ValueRanges) -> None:
+        from onnx import helper
+
+        self.h = helper
+        self.graph, self.sub, self.rows, self.weights, self.ranges = graph, sub, rows, weights, ranges.ranges
+        self.nodes: list = []
+        self.inits: list = []
+        self.external: list[str] = []
+        self.read_name: dict[str, str] = {}  # IR value -> ONNX name consumers read (dequantized)
+        self.values = {v.name: v for n in (graph.node(x) for x in sub.nodes) for v in list(n.inputs) + list(n.outputs)}
+        # Graphs that share a QNN context share tensors by name: only weights may
+        # collide, so every other name is prefixed with the instance.
+        self.prefix = f"{sub.name}.r{rows}/"
+
+    def p(self, name: str) -> str:
+        return name if name in self.external else self.prefix + name
+
+    def const(self, name: str, arr) -> str:
+        from onnx import numpy_helper
+
+        self.inits.append(numpy_helper.from_array(np.asarray(arr), self.p(name)))
+        return name
+
+    def add(self, op: str, ins: list[str], outs: list[str], name: str, **attrs) -> None:
+        self.nodes.append(self.h.make_node(op, [self.p(i) for i in ins], [self.p(o) for o in outs], name=self.p(name), **attrs))
+
+    def qdq(self, src: str, dst: str, value: str, lo: float | None = None, hi: float | None = None) -> None:
+        """src (float) -> uint16 Q -> DQ -> dst, with the range of IR value ``value``."""
+        if lo is None:
+            if value not in self.ranges:
+                raise QnnBackendError(f"no calibrated range for {value} in subgraph {self.sub.name}", hint="run calibrate_ranges before chunk_static_graphs")
+            lo, hi = self.ranges[value]
+        s, z = _u16(lo, hi)
+        sn, zn = self.const(f"{dst}.s", s), self.const(f"{dst}.z", z)
+        self.add("QuantizeLinear", [src, sn, zn], [f"{dst}.q"], f"{dst}.quant")
+        self.add("DequantizeLinear", [f"{dst}.q", sn, zn], [dst], f"{dst}.dequant")
+
+    def qconst(self, name: str, arr: np.ndarray) -> str:
+        """A float constant as a uint16-quantized initializer + DequantizeLinear."""
+        arr = np.asarray(arr, np.float32)
+        s, z = _u16(float(arr.min()) / MARGIN, float(arr.max()) / MARGIN)
+        q = np.clip(np.rint(arr / s) + int(z), 0, 65535).astype(np.uint16)
+        self.add("DequantizeLinear", [self.const(f"{name}.q", q), self.const(f"{name}.s", s), self.const(f"{name}.z", z)], [name], f"{name}.dequant")
+        return name
+
+    def ext_weight(self, wname: str) -> str:
+        from onnx import TensorProto
+
+        if wname not in self.external:
+            self.external.append(wname)
+            w = self.weights[wname]
+            t = TensorProto()
+            t.name = wname
+            t.data_type = {"uint8": TensorProto.UINT8, "float32": TensorProto.FLOAT}[w["dtype"]]
+            t.dims.extend(w["shape"])
+            t.data_location = TensorProto.EXTERNAL
+            for k, v in (("location", w["file"]), ("offset", str(w["offset"])), ("length", str(w["nbytes"]))):
+                e = t.external_data.add()
+                e.key, e.value = k, v
+            self.inits.append(t)
+        return wname
+
+    def load(self, wname: str) -> np.ndarray:
+        return np.asarray(self.graph.weights.load(wname), np.float32)
+
+    def lower(self, n: Node) -> None:
+        x = [self.read_name[v.name] for v in n.inputs]
+        out = n.outputs[0].name
+        raw = f"{out}.raw"
+        a = n.attrs
+        if n.op == "QLinear":
+            s8, z8 = np.float32(a["x_scale"]), np.uint8(a["x_zero_point"])
+            s8n, z8n = self.const(f"{out}.xs8", s8), self.const(f"{out}.xz8", z8)
+            self.add("QuantizeLinear", [x[0], s8n, z8n], [f"{out}.x8"], f"{out}.xq8")
+            self.add("DequantizeLinear", [f"{out}.x8", s8n, z8n], [f"{out}.x8d"], f"{out}.xdq8")
+            # the same 8-bit grid, exactly, in uint16: q16 = 256 * q8
+            s16n = self.const(f"{out}.xs16", np.float32(s8 / 256.0))
+            z16n = self.const(f"{out}.xz16", np.uint16(int(z8) * 256))
+            self.add("QuantizeLinear", [f"{out}.x8d", s16n, z16n], [f"{out}.x16"], f"{out}.xq16")
+            self.add("DequantizeLinear", [f"{out}.x16", s16n, z16n], [f"{out}.x16d"], f"{out}.xdq16")
+            qw, ws = n.weights["qweight"], n.weights["wscale"]
+            out_f = qw.shape[1]
+            per_channel = ws.shape != (1,)
+            wsc = self.load(ws.name)
+            wz = self.const(f"{out}.wz", np.full(out_f if per_channel else (), a["w_zero_point"], np.uint8))
+            wsn = self.const(f"{out}.ws", wsc if per_channel else np.float32(wsc[0]))
+            self.add("DequantizeLinear", [self.ext_weight(qw.name), wsn, wz], [f"{out}.w"], f"{out}.wdq", **({"axis": 1} if per_channel else {}))
+            lo, hi = self.ranges[out]
+            if "bias" in n.weights:
+                b = self.load(n.weights["bias"].name)
+                mm = f"{out}.mm"
+                self.add("MatMul", [f"{out}.x16d", f"{out}.w"], [f"{mm}.raw"], f"{out}.matmul")
+                bmax = float(np.abs(b).max())
+                self.qdq(f"{mm}.raw", mm, out, lo - bmax, hi + bmax)
+                self.add("Add", [mm, self.qconst(f"{out}.bias", b)], [raw], f"{out}.bias_add")
+            else:
+                self.add("MatMul", [f"{out}.x16d", f"{out}.w"], [raw], f"{out}.matmul")
+        elif n.op == "RMSNorm":
+            w = self.load(n.weights["weight"].name) + np.float32(a["offset"])
+            self.add("RMSNormalization", [x[0], self.qconst(f"{out}.scale", w)], [raw], n.name, axis=-1, epsilon=float(a["eps"]))
+        elif n.op == "LayerNorm":
+            ins = [x[0], self.qconst(f"{out}.w", self.load(n.weights["weight"].name))]
+            if "bias" in n.weights:
+                ins.append(self.qconst(f"{out}.b", self.load(n.weights["bias"].name)))
+            self.add("LayerNormalization", ins, [raw], n.name, axis=-1, epsilon=float(a["eps"]))
+        elif n.op == "Act":
+            if a["kind"] == "silu":
+                sig = f"{out}.sigmoid"
+                self.add("Sigmoid", x, [f"{sig}.raw"], f"{sig}.op")
+                self.qdq(f"{sig}.raw", sig, out, 0.0, 1.0 / MARGIN)
+                self.add("Mul", [x[0], sig], [raw], n.name)
+            else:
+                self.add("Gelu", x, [raw], n.name, approximate="tanh" if a["kind"] == "gelu_tanh" else "none")
+        elif n.op in ("Add", "Mul"):
+            self.add(n.op, x, [raw], n.name)
+        elif n.op == "Scale":
+            self.add("Mul", [x[0], self.qconst(f"{out}.value", np.array(a["value"], np.float32))], [raw], n.name)
+        elif n.op == "Slice":
+            ins = [x[0], self.const(f"{out}.st", np.array([a["start"]], np.int64)), self.const(f"{out}.en", np.array([a["end"]], np.int64)),
+                   self.const(f"{out}.ax", np.array([1], np.int64))]
+            self.add("Slice", ins, [raw], n.name)
+        else:
+            raise QnnBackendError(f"subgraph {self.sub.name}: node {n.name} ({n.op}) has no HTP lowering",
+                                  hint="move it to the CPU side of the cut, or file an issue")
+        self.qdq(raw, out, out)
+        self.read_name[out] = out
+
+    def build(self):
+        for i in self.sub.inputs:
+            self.qdq(i, f"{i}.in", i)
+            self.read_name[i] = f"{i}.in"
+        for name in self.sub.nodes:
+            self.lower(self.graph.node(name))
+        vi = lambda n: self.h.make_tensor_value_info(self.p(n), 1, [self.rows, self.values[n].shape[1]])  # noqa: E731
+        g = self.h.make_graph(self.nodes, f"{self.sub.name}_r{self.rows}", [vi(i) for i in self.sub.inputs], [vi(o) for o in self.sub.outputs], self.inits)
+        model = self.h.make_model(g, opset_imports=[self.h.make_opsetid("", 23)], producer_name="llmc")
+        model.ir_version = 10
+        return model
+
+
+def _session_options(ort, oq, devices, soc: str, weights: dict[str, np.ndarray], names: list[str], extra: dict[str, str]):
+    htp_arch, soc_model = SOCS[soc]
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    for k, v in extra.items():
+        so.add_session_config_entry(k, v)
+    if names:
+        so.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(weights[n]) for n in names])
+    so.add_provider_for_devices(devices, provider_options(oq, htp_arch, soc_model))
+    return so
+
+
+def emit_qnn(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], ranges: ValueRanges, root: Path, soc: str,
+             shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
+    """Write the fully quantized graphs and the context binaries; return the manifest's ``qnn`` section."""
+    import onnx
+
+    if soc not in SOCS:
+        raise QnnBackendError(f"unknown SoC {soc!r}", hint="choose one of: " + ", ".join(SOCS))
+    reason = qnn_available()
+    if reason:
+        raise QnnBackendError(reason)
+    ort, oq, devices = register_qnn()
+    (root / "qnn").mkdir(parents=True, exist_ok=True)
+    blob = np.memmap(root / "weights" / "weights.bin", dtype=np.uint8, mode="r")
+    arrays = {k: np.frombuffer(blob, dtype=np.dtype(w["dtype"]), count=w["nbytes"] // np.dtype(w["dtype"]).itemsize, offset=w["offset"]).reshape(w["shape"])
+              for k, w in weights.items()}
+    graphs: dict[str, dict[str, Any]] = {}
+    models: list[tuple[str, int, Any, list[str], int]] = []
+    for sub in plan.subgraphs:
+        graphs[sub.name] = {}
+        for rows in sub.row_counts:
+            b = _Builder(graph, sub, rows, weights, ranges)
+            model = b.build()
+            rel = f"qnn/{sub.name}.r{rows}.onnx"
+            (root / rel).write_bytes(model.SerializeToString(deterministic=True))
+            graphs[sub.name][str(rows)] = {"qdq": rel, "io_prefix": b.prefix}
+            models.append((sub.name, rows, model, list(b.external), sum(weights[w]["nbytes"] for w in b.external)))
+    # shards: consecutive subgraphs (layer order) until shard_bytes of weights
+    shards: list[list[tuple]] = [[]]
+    used = 0
+    for m in models:
+        first_instance = m[1] == max(r for (s, r, *_rest) in models if s == m[0])
+        if shards[-1] and first_instance and used + m[4] > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(m)
+        if first_instance:
+            used += m[4]
+    binaries = []
+    for si, shard in enumerate(shards):
+        ctx_dir = root / "qnn" / "ctx" / f"shard{si:02d}"
+        ctx_dir.mkdir(parents=True, exist_ok=True)
+        for k, (name, rows, model, names, _) in enumerate(shard):
+            ctx_rel = f"qnn/ctx/shard{si:02d}/{name}.r{rows}_ctx.onnx"
+            extra = {"ep.context_enable": "1", "ep.context_file_path": str(root / ctx_rel), "ep.context_embed_mode": "0",
+                     "ep.share_ep_contexts": "1"}
+            if k == len(shard) - 1:
+                extra["ep.stop_share_ep_contexts"] = "1"
+            so = _session_options(ort, oq, devices, soc, arrays, names, extra)
+            try:
+                ort.InferenceSession(model.SerializeToString(), so)
+            except Exception as e:
+                raise QnnBackendError(
+                    f"QNN HTP cannot take subgraph {name} (rows {rows}) for {soc}: {str(e).strip().splitlines()[-1][:600]}",
+                    hint=f"inspect it with: qnn/{name}.r{rows}.onnx in the failed bundle's temp dir; ops the HTP rejects must move to the CPU side",
+                ) from None
+            graphs[name][str(rows)]["context"] = ctx_rel
+            graphs[name][str(rows)]["shard"] = si
+        bins = sorted(p.relative_to(root).as_posix() for p in ctx_dir.glob("*.bin"))
+        binaries.append({"shard": si, "files": bins, "bytes": sum((root / b).stat().st_size for b in bins),
+                         "graphs": [f"{n}.r{r}" for (n, r, *_rest) in shard]})
+    for si, shard in enumerate(shards):  # which binary each context model points at
+        for name, rows, *_ in shard:
+            ctx_model = onnx.load(root / graphs[name][str(rows)]["context"], load_external_data=False)
+            for node in ctx_model.graph.node:
+                for attr in node.attribute:
+                    if attr.name == "ep_cache_context":
+                        graphs[name][str(rows)]["binary"] = f"qnn/ctx/shard{si:02d}/{attr.s.decode()}"
+    htp_arch, soc_model = SOCS[soc]
+    return {
+        "soc": soc,
+        "htp_arch": f"v{htp_arch}",
+        "soc_model": int(soc_model),
+        "versions": versions(),
+        "activations": "uint16 QDQ on every tensor; Linear inputs on the plan's uint8 grid, carried exactly in uint16",
+        "weights": "uint8 with per-channel zero point 128 (symmetric int8 values), shared bytes with weights/weights.bin",
+        "graphs": graphs,
+        "binaries": binaries,
+        "x86_64_route": "qdq-onnx: the x86_64 HTP simulator cannot load weight-shared context binaries, so on x86_64 the runtime "
+                        "runs qnn/<graph>.onnx through the QNN EP (prepared for the HTP in-session); on the device it loads the contexts",
+        "built_on": platform.machine(),
+    }

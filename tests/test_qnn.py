@@ -1,0 +1,108 @@
+"""QNN backend: fully quantized HTP graphs, weight-shared context binaries, and the
+runtime on the QNN HTP backend (the x86_64 simulator here)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import CHUNK, MAX_CONTEXT
+
+pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (pip install 'llmc[qnn]')")
+
+
+@pytest.fixture(scope="module")
+def qnn_bundle(tmp_path_factory, model_dirs):
+    from llmc.compile import compile_model
+
+    out = tmp_path_factory.mktemp("qnn") / "b"
+    s = compile_model(str(model_dirs("llama")), out, target="npu", soc="8gen3", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=512)
+    assert "QNN HTP v75 for 8gen3" in s.qnn
+    return out
+
+
+def test_manifest_records_qnn(qnn_bundle):
+    from llmc.runtime import load_manifest
+
+    m = load_manifest(qnn_bundle)
+    q = m["qnn"]
+    assert q["soc"] == "8gen3" and q["htp_arch"] == "v75" and q["soc_model"] == 57
+    assert set(q["versions"]) == {"onnxruntime", "onnxruntime_qnn"}
+    assert set(q["graphs"]) == set(m["graphs"])
+    assert len(q["binaries"]) == 1 and len(q["binaries"][0]["files"]) == 1  # few binaries: one for this model
+    binary = q["binaries"][0]["files"][0]
+    for name, inst in q["graphs"].items():
+        for rows, e in inst.items():
+            assert e["binary"] == binary  # prefill and decode instances in the same context
+            assert (qnn_bundle / e["context"]).is_file() and (qnn_bundle / e["qdq"]).is_file()
+    assert "x86_64" in q["x86_64_route"]
+
+
+def test_weights_stored_once_in_context(qnn_bundle, tmp_path):
+    """The shared binary holds each weight once: adding the decode instances of every
+    subgraph costs far less than their weights again."""
+    from llmc.runtime import load_manifest
+
+    m = load_manifest(qnn_bundle)
+    shared = m["qnn"]["binaries"][0]["bytes"]
+    int8 = sum(w["nbytes"] for n, w in m["weights"].items() if n.endswith(".q8"))
+    assert shared < 2 * int8 + 900_000  # graph overhead, not a second weight copy
+    r = json.loads((qnn_bundle / "report.json").read_text())
+    assert r["summary"]["int8_weight_bytes"] == int8
+
+
+def test_every_op_on_htp(qnn_bundle):
+    """Each fully quantized graph loads with CPU fallback disabled (the session fails otherwise)."""
+    from llmc.runtime import Session
+
+    s = Session(qnn_bundle, provider="qnn")  # creates every session up front
+    assert s.provider == "qnn"
+    assert all(prefix for sess, prefix in s._sessions.values())
+
+
+def test_qnn_matches_cpu_provider(qnn_bundle):
+    from llmc.runtime import Session
+
+    q, c = Session(qnn_bundle, provider="qnn"), Session(qnn_bundle, provider="cpu")
+    ids = [int(t) for t in np.random.default_rng(2).integers(4, 120, size=CHUNK)]
+    q.reset(), c.reset()
+    lq, lc = q.prefill(ids, all_logits=True), c.prefill(ids, all_logits=True)
+    assert np.abs(lq - lc).max() <= 0.08 * np.abs(lc).max()  # 8-bit arithmetic
+    a = q.generate(ids[:5], 16, stop_at_eos=False).token_ids
+    b = c.generate(ids[:5], 16, stop_at_eos=False).token_ids
+    assert sum(x == y for x, y in zip(a, b)) >= 0.9 * 16
+
+
+def test_auto_and_explicit_providers(qnn_bundle, bundles):
+    from llmc.runtime import ProviderError, Session
+
+    assert Session(qnn_bundle, provider="auto", lazy=True).provider == "qnn"
+    assert Session(bundles("llama"), provider="auto", lazy=True).provider == "cpu"
+    with pytest.raises(ProviderError, match="no QNN artifacts"):
+        Session(bundles("llama"), provider="qnn")
+
+
+def test_without_soc_qnn_part_is_skipped_and_said(model_dirs, tmp_path):
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+    from llmc.runtime import load_manifest
+
+    r = CliRunner().invoke(cli, ["compile", str(model_dirs("llama")), "--target", "npu", "-o", str(tmp_path / "b"),
+                                 "--chunk", str(CHUNK), "--max-context", str(MAX_CONTEXT), "--calib-tokens", "256", "--no-cache"])
+    assert r.exit_code == 0, r.output
+    assert "QNN part skipped: no --soc given" in r.output
+    assert "no --soc" in load_manifest(tmp_path / "b")["qnn"]["skipped"]
+
+
+def test_cli_run_on_qnn(qnn_bundle):
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    r = CliRunner().invoke(cli, ["run", str(qnn_bundle), "--prompt", "the cat saw", "--provider", "qnn", "--max-new-tokens", "4", "--no-eos", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output.strip().splitlines()[-1])
+    assert res["provider"] == "qnn" and len(res["token_ids"]) == 4
