@@ -210,9 +210,8 @@ def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) ->
         q = plan.inputs[x]
         name = node.name[: -len(".q")]
         hot_bytes = 0
-        if q.shadow:
-            shadow = graph.node(name + ".shadow")
-            hot_bytes = shadow.weights["hot_rows"].nbytes if q.hot_channels else 0
+        if q.shadow and q.hot_channels:  # this Linear's columns of the shared hot rows
+            hot_bytes = len(q.hot_channels) * node.weights["qweight"].shape[1] * 4
             resident += hot_bytes
         linears.append({
             "linear": name,

@@ -92,8 +92,8 @@ class Interpreter:
             wt = self.weight(n, "weight_t")
             pos = np.full(wt.shape[0], -1, np.int64)
             pos[list(hot)] = np.arange(len(hot))
-            y, _ = kernels.shadow_outliers(x[0], x[1], self.weight(n, "hot_rows"), wt, pos, a["lo"], a["hi"], x[0].shape[0])
-            return [y]
+            ys, _ = kernels.shadow_outliers(x[0], x[1:], a["splits"], self.weight(n, "hot_rows"), wt, pos, a["lo"], a["hi"], x[0].shape[0])
+            return ys
         if op == "RMSNorm":
             return [_rms_norm(x[0], self.weight(n, "weight"), a["eps"], a["offset"])]
         if op == "LayerNorm":

@@ -242,6 +242,11 @@ class Graph:
                 self.set_input(node, i, new)
         self._outputs = [new if v is old else v for v in self._outputs]
 
+    def move_after(self, node: Node, anchor: Node) -> None:
+        """Reorder: put ``node`` right after ``anchor`` (verify() checks the order stays valid)."""
+        self._nodes.remove(node)
+        self._nodes.insert(self._nodes.index(anchor) + 1, node)
+
     def remove_node(self, node: Node) -> None:
         for v in node._outputs:
             if v._uses or v in self._outputs:

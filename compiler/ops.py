@@ -113,16 +113,20 @@ def _qlinear(node: "Node"):
 
 
 def _shadow(node: "Node"):
-    x, y = node.inputs
-    in_f, out_f = node.weights["weight_t"].shape
+    x, ys = node.inputs[0], node.inputs[1:]
+    in_f, total = node.weights["weight_t"].shape
     if x.shape[-1] != in_f:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {in_f}")
+    splits = list(node.attrs["splits"])
+    if len(splits) != len(ys) or sum(splits) != total:
+        raise ValueError(f"splits {splits} do not cover the {total} output columns of {len(ys)} results")
     hot = node.attrs["hot_channels"]
-    if node.weights["hot_rows"].shape != (max(len(hot), 1), out_f):
+    if node.weights["hot_rows"].shape != (max(len(hot), 1), total):
         raise ValueError("hot_rows must hold one float row per hot channel")
-    if y.shape != (x.shape[0], out_f):
-        raise ValueError(f"the NPU result {y.shape} does not match the shadow output {(x.shape[0], out_f)}")
-    return [((_rows(node), out_f), "float32")]
+    for y, w in zip(ys, splits):
+        if y.shape != (x.shape[0], w):
+            raise ValueError(f"the NPU result {y.shape} does not match its shadow columns {(x.shape[0], w)}")
+    return [((_rows(node), w), "float32") for w in splits]
 
 
 def _slice(node: "Node"):
@@ -181,11 +185,11 @@ OPS: dict[str, OpDef] = {
         OpDef(
             "ShadowOutliers",
             "dynamic",
-            (2, 2),
-            ("lo", "hi", "hot_channels"),
+            (2, 16),
+            ("lo", "hi", "hot_channels", "splits"),
             ("weight_t", "hot_rows"),
             (),
-            "y + (x - clip(x, lo, hi)) @ W^T: adds the float outlier part to the NPU result y, on the CPU",
+            "y_i + (x - clip(x, lo, hi)) @ W_i^T for every Linear reading x: the float outlier part, on the CPU",
             _shadow,
         ),
         OpDef("Linear", "static", (1, 1), (), ("weight",), ("bias",), "x @ W^T (+ b)", _linear),

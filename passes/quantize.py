@@ -5,8 +5,11 @@ Rewrites, for every ``Linear`` (weights ``[out, in]``)::
     y = Linear(x)
   into
     y = QLinear(x)                            # uint8 per-tensor activations, int8 weights
-  or, when the input keeps a shadow path,
-    yq = QLinear(x); y = ShadowOutliers(x, yq)      # y = yq + (x - clip(x)) @ W^T
+  and, when their input keeps a shadow path, one op for all Linears reading it
+  (q/k/v, or gate/up)::
+
+    yq_i = QLinear_i(x); (y_1, .., y_n) = ShadowOutliers(x, yq_1, .., yq_n)
+    # y_i = yq_i + (x - clip(x)) @ W_i^T, outliers detected once per x
 
 ``QLinear`` quantizes ``x`` to uint8 with the plan's scale (zero point 128, so
 values beyond the range saturate: that is the clip) and multiplies by symmetric
@@ -54,6 +57,10 @@ def _derived(store: WeightStore, name: str, shape, dtype, fn):
     return store.add(name, shape, dtype, fn)
 
 
+def _shadow_name(xname: str) -> str:
+    return f"shadow[{xname}]"
+
+
 class Quantize(Pass):
     name = "quantize"
     summary = "W8A8 QLinear (uint8 per-tensor activations, int8 weights) plus CPU shadow paths from the plan"
@@ -65,6 +72,7 @@ class Quantize(Pass):
         per_channel = ctx.options.weight_granularity == "channel"
         store = graph.weights
         changed = False
+        groups: dict[str, list] = {}
         for node in list(graph.nodes):
             if node.op != "Linear":
                 continue
@@ -86,24 +94,45 @@ class Quantize(Pass):
                 weights["bias"] = node.weights["bias"]
             ql = graph.add_node("QLinear", [x], attrs={"x_scale": q.scale, "x_zero_point": q.zero_point, "w_zero_point": W_ZERO_POINT}, weights=weights,
                                 name=f"{node.name}.q", before=node)
-            y = ql.outputs[0]
-            if q.shadow:
-                hot = list(q.hot_channels)
-
-                def hot_rows(name=wref.name, hot=tuple(hot)):
-                    w = store.load(name)
-                    rows = w[:, list(hot)].T if hot else np.zeros((1, w.shape[0]), np.float32)
-                    return np.ascontiguousarray(rows, np.float32)
-
-                def transposed(name=wref.name):
-                    return np.ascontiguousarray(store.load(name).T, np.float32)
-
-                hot_ref = _derived(store, f"{wref.name}.shadow_hot", (max(len(hot), 1), out_f), "float32", hot_rows)
-                cold_ref = _derived(store, f"{wref.name}.shadow_t", (in_f, out_f), "float32", transposed)
-                sh = graph.add_node("ShadowOutliers", [x, y], attrs={"lo": q.lo, "hi": q.hi, "hot_channels": hot},
-                                    weights={"weight_t": cold_ref, "hot_rows": hot_ref}, name=f"{node.name}.shadow", before=node)
-                y = sh.outputs[0]
-            graph.replace_all_uses(node.outputs[0], y)
+            graph.replace_all_uses(node.outputs[0], ql.outputs[0])
             graph.remove_node(node)
+            if q.shadow:
+                groups.setdefault(x.name, []).append((ql, wref))
             changed = True
+        for xname, members in groups.items():
+            self._add_shadow(graph, plan.inputs[xname], members)
         return PassResult(changed)
+
+    @staticmethod
+    def _add_shadow(graph: Graph, q, members) -> None:
+        """One ShadowOutliers for all QLinears reading ``q.value``, after the last of them."""
+        store = graph.weights
+        x = members[0][0].inputs[0]
+        names = [w.name for _, w in members]
+        splits = [w.shape[0] for _, w in members]
+        hot = list(q.hot_channels)
+
+        def full_t(names=tuple(names)):
+            return np.ascontiguousarray(np.concatenate([store.load(n) for n in names], axis=0).T, np.float32)
+
+        def hot_rows(names=tuple(names), hot=tuple(hot)):
+            if not hot:
+                return np.zeros((1, sum(splits)), np.float32)
+            return np.ascontiguousarray(np.concatenate([store.load(n)[:, list(hot)] for n in names], axis=0).T, np.float32)
+
+        base = _shadow_name(q.value)
+        cold_ref = store.add(f"{base}.weight_t", (x.shape[1], sum(splits)), "float32", full_t)
+        hot_ref = store.add(f"{base}.hot_rows", (max(len(hot), 1), sum(splits)), "float32", hot_rows)
+        qls = sorted((ql for ql, _ in members), key=graph.nodes.index)
+        # The QLinears depend only on x: gather them after the first so the shadow
+        # can follow them all before any of their results is used (gate/up: the
+        # activation on gate comes before the up projection in traced order).
+        for prev, ql in zip(qls, qls[1:]):
+            graph.move_after(ql, prev)
+        i = graph.nodes.index(qls[-1]) + 1
+        after = graph.nodes[i] if i < len(graph.nodes) else None  # None: append at the end
+        ys = [ql.outputs[0] for ql in qls]
+        sh = graph.add_node("ShadowOutliers", [x, *ys], attrs={"lo": q.lo, "hi": q.hi, "hot_channels": hot, "splits": splits},
+                            weights={"weight_t": cold_ref, "hot_rows": hot_ref}, name=base, before=after)
+        for y, out in zip(ys, sh.outputs):
+            graph.replace_all_uses(y, out, exclude=sh)

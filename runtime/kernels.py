@@ -116,21 +116,31 @@ def attention(
 
 
 def shadow_outliers(
-    x: np.ndarray, y: np.ndarray, hot_rows: np.ndarray, weight_t: np.ndarray, hot_pos: np.ndarray, lo: float, hi: float, n: int
-) -> tuple[np.ndarray, int]:
-    """``y`` plus the float contribution of the entries of ``x`` outside ``[lo, hi]``.
+    x: np.ndarray,
+    ys: list[np.ndarray],
+    splits: list[int],
+    hot_rows: np.ndarray,
+    weight_t: np.ndarray,
+    hot_pos: np.ndarray,
+    lo: float,
+    hi: float,
+    n: int,
+) -> tuple[list[np.ndarray], int]:
+    """Each ``ys[i]`` plus the float contribution of the entries of ``x`` outside ``[lo, hi]``.
 
-    ``y`` is the NPU's result on ``clip(x)``; the correction is
-    ``(x - clip(x)) @ W^T`` over the few channels that hold outliers.
-    ``hot_pos[c]`` is the row of ``hot_rows`` holding channel c's weights, or -1:
-    those rows are read from ``weight_t`` (``[in, out]``, memory-mapped) on demand.
-    Returns the corrected ``[rows, out]`` and the number of outlier entries.
+    ``ys[i]`` is the NPU's result of Linear i on ``clip(x)``; its correction is
+    ``(x - clip(x)) @ W_i^T`` over the few channels that hold outliers, computed
+    for all Linears reading ``x`` in one matmul against their concatenated
+    transposed weights (``[in, sum(splits)]``). ``hot_pos[c]`` is the row of
+    ``hot_rows`` holding channel c, or -1: those rows are read from ``weight_t``
+    (memory-mapped) on demand. Returns the corrected results and the number of
+    outlier entries.
     """
     xs = x[:n]
     mask = (xs > hi) | (xs < lo)
     count = int(np.count_nonzero(mask))
     if count == 0:
-        return y, 0
+        return list(ys), 0
     chans = np.flatnonzero(mask.any(axis=0))
     sub = xs[:, chans]
     delta = sub - np.clip(sub, np.float32(lo), np.float32(hi))
@@ -141,6 +151,11 @@ def shadow_outliers(
         rows[hot] = hot_rows[pos[hot]]
     if not hot.all():
         rows[~hot] = weight_t[chans[~hot]]
-    out = np.array(y, dtype=np.float32, copy=True)
-    out[:n] += delta @ rows
+    corr = delta @ rows
+    out, start = [], 0
+    for y, w in zip(ys, splits):
+        o = np.array(y, dtype=np.float32, copy=True)
+        o[:n] += corr[:, start : start + w]
+        out.append(o)
+        start += w
     return out, count

@@ -271,10 +271,9 @@ class Session:
                 cos, sin = (ins[3], ins[4]) if len(ins) == 5 else (None, None)
                 res = [kernels.attention(ins[0], ins[1], ins[2], cos, sin, cache=self.cache, start=start, n=n, **a)]
             elif op == "ShadowOutliers":
-                y, count = kernels.shadow_outliers(ins[0], ins[1], self._weights[s["weights"]["hot_rows"]], self._weights[s["weights"]["weight_t"]],
-                                                   self._hot_pos[s["name"]], a["lo"], a["hi"], n)
+                res, count = kernels.shadow_outliers(ins[0], ins[1:], a["splits"], self._weights[s["weights"]["hot_rows"]],
+                                                     self._weights[s["weights"]["weight_t"]], self._hot_pos[s["name"]], a["lo"], a["hi"], n)
                 self.outlier_counts[s["name"]] += count
-                res = [y]
             elif op == "SelectRows":
                 res = [self._select(ins[0], logit_rows)]
             else:

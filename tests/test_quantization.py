@@ -50,19 +50,23 @@ def test_shadow_kernel_restores_float_matmul():
     planted = [(1, 3, 40.0), (5, 3, -25.0), (9, 17, 60.0), (15, 30, -80.0)]
     for r, c, val in planted:
         x[r, c] = val
-    W = rng.standard_normal((N, K)).astype(np.float32)
+    W1 = rng.standard_normal((N, K)).astype(np.float32)  # two Linears reading x (like gate/up)
+    W2 = rng.standard_normal((N // 2, K)).astype(np.float32)
+    Wcat = np.concatenate([W1, W2])
     lo, hi = -4.0, 4.0
-    y_npu = np.clip(x, lo, hi) @ W.T
+    ys_npu = [np.clip(x, lo, hi) @ W1.T, np.clip(x, lo, hi) @ W2.T]
     hot = [3]  # channel 3 resident, 17 and 30 read from the full transposed weights
     pos = np.full(K, -1)
     pos[hot] = 0
-    y, count = kernels.shadow_outliers(x, y_npu, W[:, hot].T.copy(), W.T.copy(), pos, lo, hi, T_)
-    np.testing.assert_allclose(y, x @ W.T, rtol=1e-5, atol=1e-4)
+    args = (Wcat[:, hot].T.copy(), Wcat.T.copy(), pos, lo, hi)
+    ys, count = kernels.shadow_outliers(x, ys_npu, [N, N // 2], *args, T_)
+    np.testing.assert_allclose(ys[0], x @ W1.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(ys[1], x @ W2.T, rtol=1e-5, atol=1e-4)
     assert count == len(planted)
     # padded rows (beyond n) are left alone
-    y2, count2 = kernels.shadow_outliers(x, y_npu, W[:, hot].T.copy(), W.T.copy(), pos, lo, hi, 4)
-    np.testing.assert_allclose(y2[:4], (x @ W.T)[:4], rtol=1e-5, atol=1e-4)
-    np.testing.assert_array_equal(y2[4:], y_npu[4:])
+    ys2, count2 = kernels.shadow_outliers(x, ys_npu, [N, N // 2], *args, 4)
+    np.testing.assert_allclose(ys2[0][:4], (x @ W1.T)[:4], rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(ys2[0][4:], ys_npu[0][4:])
     assert count2 == 1
 
 
@@ -132,8 +136,11 @@ def test_quantize_rewrites_only_linears(model_dirs, calib_file):
         after[n.op] = after.get(n.op, 0) + 1
     plan = ctx.get(ShadowPlan)
     assert "Linear" not in after and after["QLinear"] == before["Linear"]
-    kept_linears = sum(1 for n in g.nodes if n.op == "QLinear" and plan.inputs[n.inputs[0].name].shadow)
-    assert after["ShadowOutliers"] == kept_linears > 0
+    kept_inputs = {n.inputs[0].name for n in g.nodes if n.op == "QLinear" and plan.inputs[n.inputs[0].name].shadow}
+    assert after["ShadowOutliers"] == len(kept_inputs) > 0  # one shadow per activation, shared by its Linears
+    for sh in g.find("ShadowOutliers"):
+        readers = [n for n in g.nodes if n.op == "QLinear" and n.inputs[0] is sh.inputs[0]]
+        assert len(sh.inputs) == 1 + len(readers) and sh.attrs["splits"] == [r.weights["qweight"].shape[1] for r in readers]
     for op in before:
         if op != "Linear":
             assert after[op] == before[op], op
