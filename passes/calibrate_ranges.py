@@ -4,7 +4,9 @@ Backends that need every tensor quantized (the QNN HTP backend: 16-bit QDQ on
 norms, residual adds and Linear outputs) need a range for each value of the
 graph as it will run, after ``quantize``. This pass runs the IR (with its
 fake-quant and shadow semantics) on the first ``min(--calib-tokens, 512)``
-calibration tokens and records ``[min, max]`` of every node output.
+calibration tokens and records ``[min, max]`` of every node output (embedding
+outputs get the exact bound over the whole table, RMSNorm outputs their
+analytic bound, so tokens the text never used cannot saturate them).
 
 Produces :class:`llmc.analyses.ValueRanges`; the IR is unchanged.
 """
@@ -47,6 +49,39 @@ class CalibrateRanges(Pass):
                     hi[v.name] = max(hi.get(v.name, 0.0), float(o.max()))
 
         sel = graph.find("SelectRows")
-        Interpreter(graph).run(ids, observer=observe, select_rows=np.arange(len(ids)) if sel else None)
+        interp = Interpreter(graph)
+        interp.run(ids, observer=observe, select_rows=np.arange(len(ids)) if sel else None)
+        # Some values have a bound that holds for every token, not just the tokens the
+        # calibration text happened to use: the embedding table's range, and for
+        # RMSNorm |y_i| <= sqrt(features) * |offset + w_i| (one spike takes all the norm).
+        for node in graph.find("Embedding"):
+            table = interp.weight(node, "table") * np.float32(node.attrs["scale"])
+            self._widen(lo, hi, node.outputs[0].name, float(table.min()), float(table.max()))
+        for node in graph.find("RMSNorm"):
+            w = np.abs(interp.weight(node, "weight") + np.float32(node.attrs["offset"]))
+            bound = float(np.sqrt(node.inputs[0].shape[1]) * w.max())
+            self._widen(lo, hi, node.outputs[0].name, -bound, bound)
+        # Linear results and the MLP's gated products are bounded by their operands'
+        # ranges (interval arithmetic), in graph order. Residual sums are not: the
+        # bounds would compound over the layers and cost the stream its precision.
+        for node in graph.nodes:
+            if node.op == "QLinear":
+                # the NPU result is bounded by its clipped input: |y_j| <= c * sum_i |W_ij| (+ |b_j|)
+                a = node.attrs
+                c = max(a["x_zero_point"], 255 - a["x_zero_point"]) * a["x_scale"]
+                w = np.abs(interp.weight(node, "qweight").astype(np.float32) - a["w_zero_point"]) * interp.weight(node, "wscale")[None, :]
+                bound = c * w.sum(axis=0)
+                b = interp.weight(node, "bias")
+                if b is not None:
+                    bound = bound + np.abs(b)
+                self._widen(lo, hi, node.outputs[0].name, -float(bound.max()), float(bound.max()))
+            elif node.op == "Mul" and all(v.name in lo for v in node.inputs):
+                a, b = (max(-lo[v.name], hi[v.name]) for v in node.inputs)
+                self._widen(lo, hi, node.outputs[0].name, -a * b, a * b)
         ctx.put(ValueRanges({k: (lo[k], hi[k]) for k in lo}, len(ids)))
         return PassResult(False)
+
+    @staticmethod
+    def _widen(lo: dict, hi: dict, v: str, a: float, b: float) -> None:
+        lo[v] = min(lo.get(v, 0.0), a)
+        hi[v] = max(hi.get(v, 0.0), b)

@@ -82,6 +82,23 @@ MAX_CONTEXT = 64
 
 
 @pytest.fixture(scope="session")
+def calib_words(tmp_path_factory):
+    """Calibration text for the tiny models: every word of their vocabulary, shuffled, many times
+    (the default English corpus is mostly unknown words to their tokenizer)."""
+    import random
+
+    rng = random.Random(0)
+    words = []
+    for _ in range(40):
+        ws = list(WORDS)
+        rng.shuffle(ws)
+        words += ws
+    p = tmp_path_factory.mktemp("calib-words") / "calib.txt"
+    p.write_text(" ".join(words))
+    return p
+
+
+@pytest.fixture(scope="session")
 def bundles(tmp_path_factory, model_dirs):
     """family -> bundle compiled with chunk 8, max-context 64 (compiled once)."""
     from llmc.compile import compile_model

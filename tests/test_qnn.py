@@ -14,11 +14,12 @@ pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed 
 
 
 @pytest.fixture(scope="module")
-def qnn_bundle(tmp_path_factory, model_dirs):
+def qnn_bundle(tmp_path_factory, model_dirs, calib_words):
     from llmc.compile import compile_model
 
     out = tmp_path_factory.mktemp("qnn") / "b"
-    s = compile_model(str(model_dirs("llama")), out, target="npu", soc="8gen3", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=512)
+    s = compile_model(str(model_dirs("llama")), out, target="npu", soc="8gen3", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=512,
+                      calib_file=str(calib_words))
     assert "QNN HTP v75 for 8gen3" in s.qnn
     return out
 
@@ -66,13 +67,16 @@ def test_qnn_matches_cpu_provider(qnn_bundle):
     from llmc.runtime import Session
 
     q, c = Session(qnn_bundle, provider="qnn"), Session(qnn_bundle, provider="cpu")
-    ids = [int(t) for t in np.random.default_rng(2).integers(4, 120, size=CHUNK)]
+    ids = [int(t) for t in np.random.default_rng(2).integers(4, 100, size=CHUNK)]
     q.reset(), c.reset()
     lq, lc = q.prefill(ids, all_logits=True), c.prefill(ids, all_logits=True)
     assert np.abs(lq - lc).max() <= 0.08 * np.abs(lc).max()  # 8-bit arithmetic
-    a = q.generate(ids[:5], 16, stop_at_eos=False).token_ids
-    b = c.generate(ids[:5], 16, stop_at_eos=False).token_ids
-    assert sum(x == y for x, y in zip(a, b)) >= 0.9 * 16
+    # greedy agreement over 16 generated tokens per prompt, teacher-forced (each position
+    # judged on the reference's prefix, so one near-tie in a random model does not cascade)
+    from llmc.runtime.evaluate import agreement
+
+    prompts = [[int(t) for t in np.random.default_rng(seed).integers(4, 100, size=5)] for seed in range(3)]
+    assert agreement(q, c, prompts, new_tokens=16).teacher_forced >= 0.9
 
 
 def test_auto_and_explicit_providers(qnn_bundle, bundles):
@@ -106,3 +110,21 @@ def test_cli_run_on_qnn(qnn_bundle):
     assert r.exit_code == 0, r.output
     res = json.loads(r.output.strip().splitlines()[-1])
     assert res["provider"] == "qnn" and len(res["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma", "phi3"])
+def test_other_families_on_htp(family, model_dirs, tmp_path, calib_words):
+    """Projection biases (Qwen2), GELU-tanh, (1 + w) norms and scaled embeddings (Gemma),
+    fused projections split by Slice (Phi-3) all run on the HTP without CPU fallback."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    out = tmp_path / family
+    compile_model(str(model_dirs(family)), out, target="npu", soc="8gen2", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=512,
+                  calib_file=str(calib_words))
+    q, c = Session(out, provider="qnn"), Session(out, provider="cpu")
+    ids = [int(t) for t in np.random.default_rng(4).integers(4, 100, size=CHUNK)]
+    q.reset(), c.reset()
+    lq, lc = q.prefill(ids, all_logits=True), c.prefill(ids, all_logits=True)
+    assert np.abs(lq - lc).max() <= 0.08 * np.abs(lc).max()
+    assert (lq.argmax(-1) == lc.argmax(-1)).mean() >= 0.75
