@@ -77,8 +77,8 @@ def cli(verbose: int) -> None:
 @click.option("--pruned-percentile", type=click.FloatRange(50, 100), default=99.999, show_default=True, help="[npu] Clip of inputs whose shadow is pruned (100 = calibration max).")
 @click.option("--hot-budget", type=click.FloatRange(0, 1), default=0.01, show_default=True, help="[npu] Resident float shadow rows, as a fraction of the int8 weight bytes.")
 @click.option("--weight-granularity", type=click.Choice(["channel", "tensor"]), default="channel", show_default=True, help="[npu] int8 weight scales per output channel or per tensor.")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Where calibration results are cached (default: $LLMC_CACHE_DIR or ~/.cache/llmc).")
-@click.option("--no-cache", is_flag=True, help="Do not read or write the calibration cache.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Cache for calibration results and dequantized GGUF models (default: $LLMC_CACHE_DIR or ~/.cache/llmc).")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the cache.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @_guard
 def compile(model, out, target, soc, qnn_shard_mb, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,

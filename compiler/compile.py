@@ -110,7 +110,7 @@ def compile_model(
         return time.perf_counter()
 
     t = stage("load")
-    loaded = model_source.load(source)
+    loaded = model_source.load(source, cache_dir=quant_options.get("cache_dir"))
     limit = getattr(loaded.model.config, "max_position_embeddings", None)
     if limit and max_context > limit:
         log.warning("--max-context %d exceeds the model's max_position_embeddings %d; quality past %d tokens is not guaranteed", max_context, limit, limit)

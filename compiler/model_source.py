@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import importlib.util
 import logging
 import os
@@ -103,8 +104,13 @@ def check_config(config: Any, source: str) -> None:
             )
 
 
-def load(source: str) -> LoadedModel:
-    """Load ``source`` (see module docstring) as a float32 model in eval mode."""
+def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
+    """Load ``source`` (see module docstring) as a float32 model in eval mode.
+
+    With ``cache_dir``, a GGUF source is dequantized once and kept there as a
+    HuggingFace directory (safetensors, config, tokenizer), keyed by the GGUF
+    file's path, size and mtime: later compiles skip the slow GGUF parsing.
+    """
     # huggingface_hub reads these when first imported; set them before that, and
     # pass local_files_only below as well, so no code path reaches the network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -143,6 +149,11 @@ def load(source: str) -> LoadedModel:
                                  hint="bundled models: " + ", ".join(BUNDLED))
 
     transformers.utils.logging.disable_progress_bar()  # the CLI owns the terminal
+    fingerprint = _fingerprint(directory, kwargs.get("gguf_file"))
+    cached = Path(cache_dir) / "gguf" / fingerprint[:32] if cache_dir and kwargs.get("gguf_file") else None
+    if cached is not None and (cached / "config.json").is_file():
+        log.info("using the dequantized copy of %s in %s", description, cached)
+        directory, kwargs = cached, {"local_files_only": True}
     with _offline():
         try:
             config = transformers.AutoConfig.from_pretrained(directory, **kwargs)
@@ -168,9 +179,37 @@ def load(source: str) -> LoadedModel:
             tokenizer = transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
         except Exception as e:  # a model without tokenizer files is still compilable
             log.warning("no tokenizer found for %s (%s); the bundle will accept token ids only", source, e)
+    if cached is not None and kwargs.get("gguf_file"):
+        _save_dequantized(model, tokenizer, cached)
     eos = _eos_ids(model, tokenizer)
     log.info("loaded %s: %s, %d layers", description, type(model).__name__, model.config.num_hidden_layers)
-    return LoadedModel(model, tokenizer, source, description, eos, _fingerprint(directory, kwargs.get("gguf_file")))
+    return LoadedModel(model, tokenizer, source, description, eos, fingerprint)
+
+
+def _save_dequantized(model: Any, tokenizer: Any, path: Path) -> None:
+    """Write the dequantized model next to the calibration cache, atomically."""
+    import shutil
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    try:
+        from safetensors.torch import save_model
+
+        # transformers refuses save_pretrained on a GGUF-loaded model; the weights are
+        # plain float32 now, so write them and a config without the GGUF marker.
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1, sort_keys=True))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        tmp.replace(path)
+    except Exception as e:  # a cache that cannot be written only costs time
+        log.warning("could not cache the dequantized model in %s: %s", path, e)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _fingerprint(directory: Any, gguf_file: str | None) -> str:

@@ -155,6 +155,7 @@ def smol_bundles(tmp_path_factory):
     for target in ("cpu", "npu"):
         out[target] = root / target
         compile_model("smollm2-135m", out[target], target=target, chunk=64, max_context=512, cache_dir=str(cache), calib_tokens=1024)
+    out["cache"] = cache
     return out
 
 

@@ -128,3 +128,26 @@ def test_other_families_on_htp(family, model_dirs, tmp_path, calib_words):
     lq, lc = q.prefill(ids, all_logits=True), c.prefill(ids, all_logits=True)
     assert np.abs(lq - lc).max() <= 0.08 * np.abs(lc).max()
     assert (lq.argmax(-1) == lc.argmax(-1)).mean() >= 0.75
+
+
+def test_contexts_shard_by_layers(model_dirs, tmp_path, calib_words):
+    """A context budget smaller than the model splits the binaries in layer order."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session, load_manifest
+
+    out = tmp_path / "sharded"
+    compile_model(str(model_dirs("llama")), out, target="npu", soc="8elite", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=256,
+                  calib_file=str(calib_words), qnn_shard_bytes=40_000)
+    m = load_manifest(out)
+    q = m["qnn"]
+    assert q["htp_arch"] == "v79" and len(q["binaries"]) > 1
+    order = [s["name"] for s in m["program"] if s["kind"] == "graph"]
+    seen = [g.split(".r")[0] for b in q["binaries"] for g in b["graphs"]]
+    assert [n for i, n in enumerate(seen) if n not in seen[:i]] == order  # shards follow the program
+    for b in q["binaries"]:
+        assert len(b["files"]) == 1
+        per_graph = {g.split(".r")[0] for g in b["graphs"]}
+        for name in per_graph:  # both instances of a subgraph stay in one context
+            assert {f"{name}.r{r}" for r in m["graphs"][name]["instances"]} <= set(b["graphs"])
+    s = Session(out, provider="qnn")
+    assert len(s.generate([5, 6, 7], 3, stop_at_eos=False).token_ids) == 3

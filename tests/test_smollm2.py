@@ -90,3 +90,19 @@ def test_quantized_bundle_quality(smol_bundles):
     assert sum(npu.outlier_counts.values()) > 0
     report = json.loads((smol_bundles["npu"] / "report.json").read_text())
     assert report["summary"]["resident_shadow_fraction_of_int8_weights"] < 0.02
+
+
+def test_dequantized_gguf_cache_gives_identical_bundle(smol_bundles, tmp_path):
+    """The first compile left a dequantized copy of the GGUF in the cache; compiling from
+    it gives byte-identical files."""
+    from llmc.compile import compile_model
+
+    cached = list((smol_bundles["cache"] / "gguf").iterdir())
+    assert len(cached) == 1 and (cached[0] / "model.safetensors").is_file()
+    out = tmp_path / "again"
+    compile_model("smollm2-135m", out, target="cpu", chunk=64, max_context=512, cache_dir=str(smol_bundles["cache"]))
+    first = smol_bundles["cpu"]
+    files = sorted(p.relative_to(first).as_posix() for p in first.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    for f in files:
+        assert (first / f).read_bytes() == (out / f).read_bytes(), f
