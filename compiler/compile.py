@@ -230,7 +230,8 @@ def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) ->
     return {
         "calibration": {"corpus": calib.corpus, "tokens": calib.tokens},
         "quantization": {
-            "activations": "uint8 per tensor (zero point 128) at every Linear input; everything else float32",
+            "activations": "uint8 per tensor (zero point 128) at every Linear input; everything else float32 "
+                           "(8-bit norms/residual/activations measured: +49% / unusable / x6 perplexity; docs/quantization.md)",
             "weights": f"int8 symmetric per {ctx.options.weight_granularity}",
             "shadow": plan.enabled,
             "clip_percentile": plan.percentile if plan.enabled else None,
