@@ -159,7 +159,6 @@ class _Builder:
             raise UnsupportedModelError(f"the ONNX backend has no lowering for static op {n.op} (node {n.name})")
 
     def value_info(self, name: str):
-        from onnx import TensorProto
 
         v = self.values[name]
         return self.helper.make_tensor_value_info(name, _NP_TO_ONNX[v.dtype], [self.rows, *v.shape[1:]])
@@ -210,7 +209,6 @@ def _check(model, root: Path) -> None:
 
 def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], root: Path, placement: str = "cpu") -> dict[str, dict[str, Any]]:
     """Write every subgraph instance; return the manifest's ``graphs`` table."""
-    import onnx
 
     (root / "graphs").mkdir(parents=True, exist_ok=True)
     table: dict[str, dict[str, Any]] = {}

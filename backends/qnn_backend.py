@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from llmc.analyses import ChunkPlan, ShadowPlan, Subgraph, ValueRanges
+from llmc.analyses import ChunkPlan, Subgraph, ValueRanges
 from llmc.errors import LlmcError
 from llmc.ir import Graph, Node
 from llmc.runtime.qnn import provider_options, qnn_available, register_qnn

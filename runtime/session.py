@@ -113,6 +113,7 @@ class Session:
             s["attrs"]["layer"]: (s["attrs"]["num_kv_heads"], s["attrs"]["head_dim"]) for s in self.program if s["kind"] == "op" and s["op"] == "Attention"
         }
         self._head_steps = self._downstream_of_select()
+        self._head = next((self.program[i]["name"] for i in sorted(self._head_steps) if self.program[i]["kind"] == "graph"), None)
         self._hot_pos: dict[str, np.ndarray] = {}
         for st in self.program:
             if st["kind"] == "op" and st["op"] == "ShadowOutliers":
@@ -286,19 +287,15 @@ class Session:
         return buf[self.io["logits"]][: len(logit_rows)]
 
     def _select(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        sizes = sorted(int(r) for r in self.graphs[self._head_graph()]["instances"])
+        if self._head is None:
+            raise BundleError(f"{self.bundle}: the program has no head graph after SelectRows")
+        sizes = sorted(int(r) for r in self.graphs[self._head]["instances"])
         size = next((s for s in sizes if s >= len(rows)), None)
         if size is None:
             raise BundleError(f"cannot score {len(rows)} rows at once; the head graph has instances {sizes}")
         out = np.zeros((size, x.shape[1]), x.dtype)
         out[: len(rows)] = x[rows]
         return out
-
-    def _head_graph(self) -> str:
-        for i in sorted(self._head_steps):
-            if self.program[i]["kind"] == "graph":
-                return self.program[i]["name"]
-        raise BundleError(f"{self.bundle}: the program has no head graph after SelectRows")
 
     def prefill(self, ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Feed ``ids`` after what is already in the cache; return logits.
