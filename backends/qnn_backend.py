@@ -39,6 +39,7 @@ import numpy as np
 from llmc.analyses import ChunkPlan, Subgraph, ValueRanges
 from llmc.errors import LlmcError
 from llmc.ir import Graph, Node
+from llmc.runtime.manifest import map_weights
 from llmc.runtime.qnn import provider_options, qnn_available, register_qnn
 
 log = logging.getLogger(__name__)
@@ -240,9 +241,7 @@ def emit_qnn(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], 
         raise QnnBackendError(reason)
     ort, oq, devices = register_qnn()
     (root / "qnn").mkdir(parents=True, exist_ok=True)
-    blob = np.memmap(root / "weights" / "weights.bin", dtype=np.uint8, mode="r")
-    arrays = {k: np.frombuffer(blob, dtype=np.dtype(w["dtype"]), count=w["nbytes"] // np.dtype(w["dtype"]).itemsize, offset=w["offset"]).reshape(w["shape"])
-              for k, w in weights.items()}
+    arrays = map_weights(root, weights)
     graphs: dict[str, dict[str, Any]] = {}
     models: list[tuple[str, int, Any, list[str], int]] = []
     for sub in plan.subgraphs:

@@ -221,13 +221,6 @@ class Graph:
                 return n
         raise KeyError(name)
 
-    def used_weights(self) -> list[WeightRef]:
-        seen: dict[str, WeightRef] = {}
-        for n in self._nodes:
-            for ref in n.weights.values():
-                seen.setdefault(ref.name, ref)
-        return list(seen.values())
-
     # -- edits -------------------------------------------------------------
     def set_input(self, node: Node, index: int, value: Value) -> None:
         old = node._inputs[index]

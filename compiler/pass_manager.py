@@ -82,10 +82,6 @@ class PassContext:
     def has(self, kind: type) -> bool:
         return kind in self._analyses
 
-    def invalidate(self, kinds: Iterable[type]) -> None:
-        for k in kinds:
-            self._analyses.pop(k, None)
-
 
 class Pass:
     name: ClassVar[str]

@@ -45,6 +45,16 @@ def default_corpus() -> tuple[str, str]:
     return "pydoc_data.topics (Python reference documentation)", text
 
 
+def calibration_text(options) -> tuple[str, str]:
+    """(name, text) of the calibration corpus: ``--calib FILE`` or the built-in one."""
+    if options.calib_file:
+        path = Path(options.calib_file)
+        if not path.is_file():
+            raise CompileError(f"calibration file {path} does not exist", hint="pass a UTF-8 text file to --calib")
+        return str(path), path.read_text(encoding="utf-8", errors="replace")
+    return default_corpus()
+
+
 class _Accumulator:
     def __init__(self, features: int) -> None:
         self.absmax = 0.0
@@ -84,13 +94,7 @@ class Calibrate(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         opts = ctx.options
-        if opts.calib_file:
-            path = Path(opts.calib_file)
-            if not path.is_file():
-                raise CompileError(f"calibration file {path} does not exist", hint="pass a UTF-8 text file to --calib")
-            corpus, text = str(path), path.read_text(encoding="utf-8", errors="replace")
-        else:
-            corpus, text = default_corpus()
+        corpus, text = calibration_text(opts)
         if ctx.inputs.encode is None:
             raise CompileError("calibration needs the model's tokenizer, and this model has none", hint="compile from a directory with tokenizer files")
         linears = [n for n in graph.nodes if n.op == "Linear"]

@@ -19,7 +19,7 @@ from llmc.analyses import ValueRanges
 from llmc.errors import CompileError
 from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
-from llmc.passes.calibrate import Calibrate, default_corpus
+from llmc.passes.calibrate import Calibrate, calibration_text
 
 MAX_TOKENS = 512
 
@@ -30,14 +30,12 @@ class CalibrateRanges(Pass):
     produces = (ValueRanges,)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        from pathlib import Path
-
         from llmc.interpreter import Interpreter
 
         if ctx.inputs.encode is None:
             raise CompileError("range calibration needs the model's tokenizer, and this model has none")
         opts = ctx.options
-        text = Path(opts.calib_file).read_text(encoding="utf-8", errors="replace") if opts.calib_file else default_corpus()[1]
+        _, text = calibration_text(opts)
         ids = Calibrate._tokens(ctx.inputs.encode, text, min(opts.calib_tokens, MAX_TOKENS))
         lo: dict[str, float] = {}
         hi: dict[str, float] = {}

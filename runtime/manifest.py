@@ -40,6 +40,25 @@ def resolve_inside(bundle: Path, rel: str) -> Path:
     return p
 
 
+def map_weights(bundle: str | Path, table: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Read-only numpy views of every weight in ``table``, one memory map per file."""
+    import numpy as np
+
+    bundle = Path(bundle)
+    maps: dict[str, Any] = {}
+    out = {}
+    for name, w in table.items():
+        rel = w["file"]
+        if rel not in maps:
+            maps[rel] = np.memmap(resolve_inside(bundle, rel), dtype=np.uint8, mode="r")
+        buf = maps[rel]
+        off, nbytes, dtype = int(w["offset"]), int(w["nbytes"]), np.dtype(w["dtype"])
+        if off + nbytes > buf.size:
+            raise BundleError(f"{bundle}: weight {name} lies past the end of {rel}", hint="the bundle is corrupt; recompile it")
+        out[name] = np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize, offset=off).reshape(w["shape"])
+    return out
+
+
 def load_manifest(bundle: str | Path, verify: bool = True) -> dict[str, Any]:
     bundle = Path(bundle)
     mpath = bundle / MANIFEST

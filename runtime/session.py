@@ -22,7 +22,7 @@ import numpy as np
 
 from llmc.runtime import kernels
 from llmc.runtime.errors import BundleError, PromptTooLongError, ProviderError
-from llmc.runtime.manifest import load_manifest, resolve_inside
+from llmc.runtime.manifest import load_manifest, map_weights, resolve_inside
 from llmc.runtime.sampling import Sampler
 
 log = logging.getLogger(__name__)
@@ -103,10 +103,7 @@ class Session:
         self.program = m["program"]
         self.graphs = m["graphs"]
         self._threads = threads or os.cpu_count() or 1
-        self._maps: dict[str, np.memmap] = {}
-        self._weights: dict[str, np.ndarray] = {}
-        for name, w in m["weights"].items():
-            self._weights[name] = self._weight_view(name, w)
+        self._weights: dict[str, np.ndarray] = map_weights(self.bundle, m["weights"])
         self._ortvalues: dict[str, Any] = {}
         self._sessions: dict[tuple[str, int], Any] = {}
         self._attn_layers = {
@@ -152,16 +149,6 @@ class Session:
         if requested == "auto" and has and qnn_available() is None:
             return "qnn"
         return "cpu"
-
-    def _weight_view(self, name: str, w: dict) -> np.ndarray:
-        rel = w["file"]
-        if rel not in self._maps:
-            self._maps[rel] = np.memmap(resolve_inside(self.bundle, rel), dtype=np.uint8, mode="r")
-        buf = self._maps[rel]
-        off, nbytes = int(w["offset"]), int(w["nbytes"])
-        if off + nbytes > buf.size:
-            raise BundleError(f"{self.bundle}: weight {name} lies past the end of {rel}", hint="the bundle is corrupt; recompile it")
-        return np.frombuffer(buf, dtype=np.dtype(w["dtype"]), count=nbytes // np.dtype(w["dtype"]).itemsize, offset=off).reshape(w["shape"])
 
     def _downstream_of_select(self) -> set[int]:
         tainted: set[str] = set()
