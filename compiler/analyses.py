@@ -154,3 +154,114 @@ class ValueRanges:
 
     ranges: dict[str, tuple[float, float]]
     tokens: int
+
+
+# --- placement, schedule, offload -------------------------------------------------
+
+PROCESSORS = ("npu", "cpu")
+PHASES = ("prefill", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """Predicted seconds of one program step at the chunk shape and at one row, per processor.
+
+    A processor missing from a dict cannot run the step (dynamic ops: the NPU).
+    """
+
+    step: str
+    prefill: dict[str, float]
+    decode: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Which processor runs each program step, per phase (``place`` pass)."""
+
+    profile: str
+    prefill: dict[str, str]  # step name -> "npu" | "cpu"
+    decode: dict[str, str]
+    costs: dict[str, StepCost]
+    sync_s: float  # one CPU<->NPU hand-off, from the profile
+
+    def processor(self, step: str, phase: str) -> str:
+        return (self.prefill if phase == "prefill" else self.decode)[step]
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One (chunk, step) of a simulated prefill timeline."""
+
+    chunk: int
+    step: int  # index into the program
+    processor: str
+    start: float
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """A simulated prefill: tasks in issue order, makespan and NPU bubble rate."""
+
+    policy: str  # "in-order" | "out-of-order"
+    tasks: tuple[Task, ...]
+    makespan_s: float
+    npu_busy_s: float
+    cpu_busy_s: float
+
+    @property
+    def npu_bubble_rate(self) -> float:
+        """Share of the NPU's span (first start to last end) it sits idle; 0 with no NPU work."""
+        npu = [t for t in self.tasks if t.processor == "npu"]
+        if not npu:
+            return 0.0
+        span = max(t.end for t in npu) - min(t.start for t in npu)
+        return 1.0 - self.npu_busy_s / span if span > 0 else 0.0
+
+    @property
+    def order(self) -> tuple[tuple[int, int], ...]:
+        return tuple((t.chunk, t.step) for t in self.tasks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Out-of-order prefill order for every chunk count, and the predicted timelines (``schedule`` pass).
+
+    ``orders[k]`` is the issue order of (chunk, step) pairs for a prompt of
+    ``k`` chunks; any prefix of chunks of it respects every dependency.
+    ``prompt_len`` is the prompt the reported timelines were simulated for.
+    """
+
+    prompt_len: int
+    orders: dict[int, tuple[tuple[int, int], ...]]
+    in_order: Timeline
+    out_of_order: Timeline
+    decode_s: float  # predicted seconds per decoded token
+    head_s: float  # the LM head on the last prompt token, after the timeline
+
+    @property
+    def prefill_s(self) -> float:
+        return self.out_of_order.makespan_s + self.head_s
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadPlan:
+    """Which weights stay resident and which stream from the bundle (``plan_offload`` pass).
+
+    ``streamed`` weights are read from the bundle for every use, ``prefetch_depth``
+    steps ahead, into a ring of buffers of ``buffer_bytes``; ``row_streamed``
+    tables (embedding, shadow weights) are read by row when a token needs them.
+    All byte counts are of the bundle's stored weights.
+    """
+
+    budget_bytes: int
+    weight_bytes: int  # every weight the program reads
+    resident: tuple[str, ...]
+    streamed: tuple[str, ...]
+    row_streamed: tuple[str, ...]
+    resident_bytes: int
+    streamed_bytes: int  # per token (decode) and per chunk (prefill)
+    buffer_bytes: int
+    prefetch_depth: int
+    predicted_decode_s: float  # per token, with prefetching
+    predicted_decode_no_prefetch_s: float

@@ -47,6 +47,11 @@ class CompileOptions:
     pruned_percentile: float | None = 99.999  # clip of inputs whose shadow is pruned; None = calibration max
     hot_budget: float = 0.01  # resident float shadow rows, as a fraction of the int8 weight bytes
     weight_granularity: str = "channel"  # "channel" | "tensor"
+    # cost model, placement, schedule, offload
+    profile: str = "host"  # device profile name (llmc.device_profile) the cost model reads
+    prompt_len: int | None = None  # prompt the schedule's timelines are reported for; None = max_context
+    memory_budget: int | None = None  # bytes of weights that may stay resident; None = all
+    prefetch_depth: int = 2  # streamed steps read ahead of the one running
 
 
 @dataclasses.dataclass(frozen=True)
