@@ -70,7 +70,7 @@ def write_weights(graph: Graph, names: Iterable[str], root: Path) -> dict[str, d
 
 
 class _Builder:
-    def __init__(self, graph: Graph, sub: Subgraph, rows: int, weights: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, graph: Graph, sub: Subgraph, rows: int, weights: dict[str, dict[str, Any]], streamed: frozenset[str] = frozenset()) -> None:
         from onnx import helper
 
         self.helper = helper
@@ -78,6 +78,7 @@ class _Builder:
         self.sub = sub
         self.rows = rows
         self.weights = weights
+        self.streamed = streamed
         self.nodes: list[Any] = []
         self.consts: list[Any] = []
         self.used_weights: list[str] = []
@@ -169,13 +170,18 @@ class _Builder:
         for name in self.sub.nodes:
             self.lower(self.graph.node(name))
         inits = []
+        weight_inputs = []
         for wname in self.used_weights:
             w = self.weights[wname]
+            dims = [] if wname in self.scalar_weights else w["shape"]
+            if wname in self.streamed:  # fed by the runtime for every run, from its streaming buffers
+                weight_inputs.append(self.helper.make_tensor_value_info(wname, _NP_TO_ONNX[w["dtype"]], dims))
+                continue
             t = TensorProto()
             t.name = wname
             t.data_type = _NP_TO_ONNX[w["dtype"]]
             # a one-element scale is a per-tensor (scalar) quantization parameter
-            t.dims.extend([] if wname in self.scalar_weights else w["shape"])
+            t.dims.extend(dims)
             t.data_location = TensorProto.EXTERNAL
             for k, val in (("location", w["file"]), ("offset", str(w["offset"])), ("length", str(w["nbytes"]))):
                 e = t.external_data.add()
@@ -184,7 +190,7 @@ class _Builder:
         g = self.helper.make_graph(
             self.nodes,
             f"{self.sub.name}_r{self.rows}",
-            [self.value_info(n) for n in self.sub.inputs],
+            [self.value_info(n) for n in self.sub.inputs] + weight_inputs,
             [self.value_info(n) for n in self.sub.outputs],
             inits + self.consts,
         )
@@ -207,15 +213,22 @@ def _check(model, root: Path) -> None:
         onnx.checker.check_model(model, full_check=True)
 
 
-def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], root: Path, placement: str = "cpu") -> dict[str, dict[str, Any]]:
-    """Write every subgraph instance; return the manifest's ``graphs`` table."""
+def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], root: Path, placement: str = "cpu",
+                streamed: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
+    """Write every subgraph instance; return the manifest's ``graphs`` table.
+
+    Weights named in ``streamed`` (an :class:`~llmc.analyses.OffloadPlan`'s) become
+    graph *inputs* of the same name, dtype and shape instead of external-data
+    initializers: the runtime reads them from the weight file for every run and
+    feeds them. The graph's entry lists them under ``"streamed"``.
+    """
 
     (root / "graphs").mkdir(parents=True, exist_ok=True)
     table: dict[str, dict[str, Any]] = {}
     for sub in plan.subgraphs:
         instances = {}
         for rows in sub.row_counts:
-            b = _Builder(graph, sub, rows, weights)
+            b = _Builder(graph, sub, rows, weights, streamed)
             model = b.build()
             _check(model, root)
             rel = f"graphs/{sub.name}.r{rows}.onnx"
@@ -232,4 +245,7 @@ def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]
             "weight_bytes": sum(weights[w]["nbytes"] for w in sub.weights),
             "instances": instances,
         }
+        mine = [w for w in sub.weights if w in streamed]
+        if mine:
+            table[sub.name]["streamed"] = mine
     return table

@@ -139,7 +139,9 @@ def compile_model(
     with bundle_mod.atomic_directory(out) as root:
         order = _weight_order(graph, plan)
         weights = onnx_backend.write_weights(graph, order, root)
-        graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu")
+        offload = _offload_section(ctx, weights)
+        graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu",
+                                          streamed=frozenset(offload["streamed"]) if offload else frozenset())
         tok = _write_tokenizer(loaded, root)
         qnn = None
         if target == "npu":
@@ -173,6 +175,8 @@ def compile_model(
             manifest["mlir"] = mlir
         if qnn is not None:
             manifest["qnn"] = qnn
+        if offload is not None:
+            manifest["offload"] = offload
         report = build_report(graph, ctx, weights)
         if report:
             (root / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
@@ -250,6 +254,23 @@ def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) ->
         },
         "linears": linears,
     }
+
+
+def _offload_section(ctx: PassContext, weights: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The manifest's ``offload`` section: the :class:`OffloadPlan`'s fields, or None without a plan."""
+    from llmc.analyses import OffloadPlan
+
+    if not ctx.has(OffloadPlan):
+        return None
+    plan = ctx.get(OffloadPlan)
+    section = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    for key in ("resident", "streamed", "row_streamed"):
+        section[key] = list(section[key])
+        unknown = [n for n in section[key] if n not in weights]
+        if unknown:
+            raise CompileError(f"the offload plan's {key} weights {unknown[:3]} are not in the bundle's weight table",
+                               hint="the pass that made the OffloadPlan named weights the pipeline removed; rerun it after the passes that rename weights")
+    return section
 
 
 def _positions(graph) -> str:
