@@ -24,7 +24,8 @@ class KVCache:
 
 
 def embedding(ids: np.ndarray, table: np.ndarray, scale: float) -> np.ndarray:
-    out = np.take(table, ids, axis=0)
+    """``table[ids] * scale``; ``table`` may be a row reader (``table[rows]`` gives a fresh array), see ``residency.RowTable``."""
+    out = np.take(table, ids, axis=0) if isinstance(table, np.ndarray) else table[ids]
     if scale != 1.0:
         out *= np.float32(scale)
     return out
@@ -133,7 +134,7 @@ def shadow_outliers(
     for all Linears reading ``x`` in one matmul against their concatenated
     transposed weights (``[in, sum(splits)]``). ``hot_pos[c]`` is the row of
     ``hot_rows`` holding channel c, or -1: those rows are read from ``weight_t``
-    (memory-mapped) on demand. Returns the corrected results and the number of
+    (memory-mapped, or a row reader under a memory budget) on demand. Returns the corrected results and the number of
     outlier entries.
     """
     xs = x[:n]

@@ -23,6 +23,7 @@ import numpy as np
 from llmc.runtime import kernels
 from llmc.runtime.errors import BundleError, PromptTooLongError, ProviderError
 from llmc.runtime.manifest import load_manifest, map_weights, resolve_inside
+from llmc.runtime.residency import Residency
 from llmc.runtime.sampling import Sampler
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,14 @@ class Session:
     bundle has QNN artifacts, else ``cpu``.
     Every ONNX Runtime session is created up front (``lazy=True`` defers each
     to its first use), so timings of a generation exclude graph preparation.
+    A bundle compiled with a memory budget keeps only its resident weights in
+    memory and streams the others from storage (:mod:`llmc.runtime.residency`);
+    ``prefetch=False`` reads each streamed weight when its step runs instead of
+    ahead of time.
     """
 
-    def __init__(self, bundle: str | Path, provider: str = "auto", *, verify: bool = True, threads: int | None = None, lazy: bool = False) -> None:
+    def __init__(self, bundle: str | Path, provider: str = "auto", *, verify: bool = True, threads: int | None = None, lazy: bool = False,
+                 prefetch: bool = True) -> None:
         import onnxruntime as ort
 
         if provider not in PROVIDERS:
@@ -103,7 +109,9 @@ class Session:
         self.program = m["program"]
         self.graphs = m["graphs"]
         self._threads = threads or os.cpu_count() or 1
-        self._weights: dict[str, np.ndarray] = map_weights(self.bundle, m["weights"])
+        # budgeted bundles: resident arrays + row tables, streamed weights fed per run
+        self.residency = Residency(self.bundle, m, prefetch=prefetch) if "offload" in m else None
+        self._weights: dict[str, Any] = self.residency.weights if self.residency else map_weights(self.bundle, m["weights"])
         self._ortvalues: dict[str, Any] = {}
         self._sessions: dict[tuple[str, int], Any] = {}
         self._attn_layers = {
@@ -137,7 +145,10 @@ class Session:
         from llmc.runtime.qnn import qnn_available
 
         q = self.manifest.get("qnn") or {}
-        has = bool(q.get("graphs"))
+        has = bool(q.get("graphs")) and "offload" not in self.manifest  # context binaries hold every weight
+        if requested == "qnn" and "offload" in self.manifest:
+            raise ProviderError(f"{self.bundle} was compiled with a memory budget, which the QNN provider cannot honour "
+                                "(its context binaries hold every weight)", hint="use --provider cpu")
         if requested == "qnn":
             if not has:
                 why = q.get("skipped", "it was compiled without --soc")
@@ -208,7 +219,10 @@ class Session:
         # Dozens of sessions run one after another: spinning worker threads of
         # an idle session would steal the cores from the one that is running.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        names = list(g["weights"])
+        streamed = g.get("streamed", [])
+        if self.residency is not None:  # prepacking would copy every resident weight (docs/memory-budget.md)
+            so.add_session_config_entry("session.disable_prepacking", "1")
+        names = [n for n in g["weights"] if n not in streamed]
         for n in names:
             if n not in self._ortvalues:
                 self._ortvalues[n] = ort.OrtValue.ortvalue_from_numpy(self._weights[n])
@@ -216,6 +230,8 @@ class Session:
             so.add_external_initializers(names, [self._ortvalues[n] for n in names])
         model_bytes = resolve_inside(self.bundle, inst["file"]).read_bytes()
         sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+        if streamed:  # a per-tensor scale is a scalar input; feed every streamed weight in the graph's shape
+            self.residency.streaming.shapes.update({i.name: tuple(i.shape) for i in sess.get_inputs() if i.name in streamed})
         self._sessions[key] = (sess, "")
         return self._sessions[key]
 
@@ -247,7 +263,15 @@ class Session:
             if s["kind"] == "graph":
                 r = buf[s["inputs"][0]].shape[0]
                 sess, prefix = self._session(s["name"], r)
-                outs = sess.run([prefix + o for o in s["outputs"]], {prefix + name: buf[name] for name in s["inputs"]})
+                feeds = {prefix + name: buf[name] for name in s["inputs"]}
+                if self.residency is not None and i in self.residency.streaming.by_step:
+                    feeds.update(self.residency.streaming.acquire(i))
+                    try:
+                        outs = sess.run([prefix + o for o in s["outputs"]], feeds)
+                    finally:
+                        self.residency.streaming.release(i)
+                else:
+                    outs = sess.run([prefix + o for o in s["outputs"]], feeds)
                 buf.update(zip(s["outputs"], outs))
                 continue
             op, a, ins = s["op"], s.get("attrs", {}), [buf[x] for x in s["inputs"]]
@@ -272,6 +296,15 @@ class Session:
         if logit_rows is None:
             return None
         return buf[self.io["logits"]][: len(logit_rows)]
+
+    def _steps(self, logits: bool) -> list[int]:
+        """Program steps a chunk runs: all of them, or without the head when it needs no logits."""
+        return [i for i in range(len(self.program)) if logits or i not in self._head_steps]
+
+    def close(self) -> None:
+        """Stop the prefetch thread and close the weight file (budgeted bundles); the session is unusable after."""
+        if self.residency is not None:
+            self.residency.close()
 
     def _select(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         if self._head is None:
@@ -300,6 +333,10 @@ class Session:
                 hint="shorten the prompt, or recompile with a larger --max-context",
             )
         C = self.chunk
+        if self.residency is not None:  # the steps the chunks will run, then decode's, for the prefetcher
+            chunks = range(0, len(ids), C)
+            order = [i for s in chunks for i in self._steps(all_logits or s + C >= len(ids))]
+            self.residency.streaming.schedule(order, then_repeat=self._steps(True))
         collected = []
         last = None
         for s in range(0, len(ids), C):
@@ -318,6 +355,8 @@ class Session:
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token through the decode instances; return its logits."""
+        if self.residency is not None:
+            self.residency.streaming.schedule(self._steps(True), then_repeat=self._steps(True))
         return self._run_chunk(np.array([token], np.int64), 1, np.array([0]))[0]
 
     # -- text ----------------------------------------------------------------
