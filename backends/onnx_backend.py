@@ -7,7 +7,9 @@ for decode / last-token logits). All weights live once in ``weights/weights.bin`
 with ``location = "weights/weights.bin"`` relative to the *bundle root*, and the
 runtime binds them by name from one shared memory map. (ONNX Runtime refuses
 external data outside a model's own folder, so the graphs are loaded through the
-runtime, not by path.)
+runtime, not by path.) Under a memory budget the plan's *streamed* weights are
+graph inputs instead, fed by the runtime from its streaming buffers
+(``docs/memory-budget.md``).
 
 Op lowering (opset 23):
 

@@ -126,10 +126,14 @@ def compile(model, out, target, soc, qnn_shard_mb, mlir_dialect, repro_dir, chun
     )
 
 
-def _make_session(bundle, provider, threads):
+def _make_session(bundle, provider, threads, prefetch=True):
     from llmc.runtime import Session
 
-    return Session(bundle, provider=provider, threads=threads)
+    return Session(bundle, provider=provider, threads=threads, prefetch=prefetch)
+
+
+_NO_PREFETCH = click.option("--no-prefetch", is_flag=True,
+                            help="Memory-budgeted bundles: read each streamed weight when its step runs, not ahead (no effect otherwise).")
 
 
 @cli.command()
@@ -147,9 +151,10 @@ def _make_session(bundle, provider, threads):
 @click.option("--provider", type=click.Choice(["auto", "cpu", "qnn"]), default="auto", show_default=True,
               help="qnn: NPU graphs on the QNN HTP backend (simulator on x86_64); auto: qnn when available and built, else cpu.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads (default: all cores).")
+@_NO_PREFETCH
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, timings) instead of streaming text.")
 @_guard
-def run(bundle, prompt, prompt_ids, max_new_tokens, mode, temperature, top_k, top_p, seed, no_eos, provider, threads, as_json):
+def run(bundle, prompt, prompt_ids, max_new_tokens, mode, temperature, top_k, top_p, seed, no_eos, provider, threads, no_prefetch, as_json):
     """Generate text from a compiled BUNDLE."""
     from llmc.runtime import Metrics
 
@@ -157,7 +162,7 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, mode, temperature, top_k, to
         raise click.UsageError("give exactly one of --prompt or --prompt-ids")
     if temperature is not None:
         mode = "sample"
-    sess = _make_session(bundle, provider, threads)
+    sess = _make_session(bundle, provider, threads, prefetch=not no_prefetch)
     if prompt_ids is not None:
         try:
             source = [int(t) for t in prompt_ids.split(",") if t.strip()]
@@ -220,6 +225,8 @@ def inspect(bundle, as_json, no_verify):
         "total_bytes": sum(f["bytes"] for f in files.values()),
         "qnn": _qnn_summary(m.get("qnn")),
         "mlir": sorted({e["dialect"] for g in (m.get("mlir") or {}).values() for e in g.values()}),
+        "offload": {k: v for k, v in m["offload"].items() if not isinstance(v, list)} | {k: len(m["offload"][k]) for k in ("resident", "streamed", "row_streamed")}
+        if "offload" in m else None,
     }
     if as_json:
         click.echo(json.dumps(summary, indent=1))
@@ -245,6 +252,11 @@ def inspect(bundle, as_json, no_verify):
             click.echo(f"qnn        {q['soc']} (HTP {q['htp_arch']}), {q['graphs']} graph instances in {len(q['binaries'])} context binaries:")
             for b in q["binaries"]:
                 click.echo(f"  shard {b['shard']:<3} {', '.join(b['files'])}  {b['bytes'] / 1e6:.2f} MB  ({len(b['graphs'])} graphs share its weights)")
+    o = summary["offload"]
+    if o is not None:
+        click.echo(f"offload    budget {o['budget_bytes'] / 1e6:.1f} MB: {o['resident']} weights resident ({o['resident_bytes'] / 1e6:.1f} MB), "
+                   f"{o['streamed']} streamed ({o['streamed_bytes'] / 1e6:.1f} MB per token), {o['row_streamed']} read by row; "
+                   f"buffer {o['buffer_bytes'] / 1e6:.1f} MB, prefetch depth {o['prefetch_depth']}")
     if summary["mlir"]:
         click.echo(f"mlir       {', '.join(summary['mlir'])} modules for every subgraph instance (mlir/)")
     click.echo(f"total      {summary['total_bytes'] / 1e6:.1f} MB in {len(files)} files")
@@ -305,15 +317,16 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True, help="Measured runs (after one warm-up).")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "qnn"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=None)
+@_NO_PREFETCH
 @click.option("--json", "as_json", is_flag=True)
 @_guard
-def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, as_json):
+def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch, as_json):
     """Time a BUNDLE: TTFT, prefill and decode tokens/s (median and spread), peak RSS."""
     import dataclasses
 
     from llmc.runtime.bench import bench as run_bench
 
-    sess = _make_session(bundle, provider, threads)
+    sess = _make_session(bundle, provider, threads, prefetch=not no_prefetch)
     if prompt_len + new_tokens > sess.max_context:
         raise click.BadParameter(f"prompt-len + new-tokens = {prompt_len + new_tokens} exceeds the bundle's max context {sess.max_context}")
     r = run_bench(sess, prompt_len, new_tokens, repeat)
@@ -324,6 +337,12 @@ def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, as_json):
     for label, f, unit in (("TTFT", r.ttft_s, "s"), ("prefill", r.prefill_tok_s, "tok/s"), ("decode", r.decode_tok_s, "tok/s")):
         click.echo(f"  {label:<8} {f.median:10.3f} {unit:<6} ({f.min:.3f}..{f.max:.3f})")
     click.echo(f"  peak RSS {r.peak_rss_mb:10.0f} MB")
+    if r.offload:
+        o = r.offload
+        click.echo(f"  offload  {o['resident_bytes'] / 1e6:.1f} MB resident, {o['buffer_bytes'] / 1e6:.1f} MB stream buffer "
+                   f"(peak {o['peak_buffer_bytes'] / 1e6:.1f}), prefetch {'depth ' + str(o['prefetch_depth']) if o['prefetch'] else 'off'}; "
+                   f"read {o['streamed_bytes_read'] / 1e6:.0f} MB at {o['read_MB_s']:.0f} MB/s ({'O_DIRECT' if o['o_direct'] else 'pread'}), "
+                   f"waited {o['main_thread_wait_s']:.2f} s")
 
 
 def _qnn_summary(q):

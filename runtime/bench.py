@@ -37,6 +37,7 @@ class BenchResult:
     prefill_tok_s: Figure
     decode_tok_s: Figure
     peak_rss_mb: float
+    offload: dict | None = None  # memory-budgeted bundles: residency and streaming figures over all runs
 
 
 def prompt_ids(session: Session, n: int, seed: int = 0) -> list[int]:
@@ -66,4 +67,25 @@ def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat:
         Figure.of([m.prefill_tok_s for m in runs]),
         Figure.of([m.decode_tok_s for m in runs]),
         peak_rss_mb(),
+        offload_figures(session),
     )
+
+
+def offload_figures(session: Session) -> dict | None:
+    """Residency and streaming figures of a memory-budgeted session (None for an unbudgeted one)."""
+    r = session.residency
+    if r is None:
+        return None
+    st = r.streaming.stats
+    return {
+        "budget_bytes": r.plan["budget_bytes"],
+        "resident_bytes": r.resident_bytes,
+        "buffer_bytes": r.plan["buffer_bytes"],
+        "peak_buffer_bytes": st.peak_buffer_bytes,
+        "prefetch": r.streaming.prefetch,
+        "prefetch_depth": r.streaming.depth,
+        "o_direct": r.file.direct,
+        "streamed_bytes_read": st.bytes_read,
+        "read_MB_s": st.read_bandwidth / 1e6,
+        "main_thread_wait_s": st.wait_s,
+    }

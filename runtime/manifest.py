@@ -98,6 +98,9 @@ def load_manifest(bundle: str | Path, verify: bool = True) -> dict[str, Any]:
     for g in ((manifest.get("qnn") or {}).get("graphs") or {}).values():
         for inst in g.values():
             referenced += [inst[k] for k in ("qdq", "context", "binary") if k in inst]
+    if "offload" not in manifest and any(g.get("streamed") for g in manifest.get("graphs", {}).values()):
+        raise BundleError(f"{bundle}: graphs take streamed weights as inputs, but the manifest has no offload section",
+                          hint="the manifest was edited or truncated; recompile the bundle")
     tok = manifest.get("tokenizer") or {}
     if tok.get("file"):
         referenced.append(tok["file"])

@@ -118,6 +118,12 @@ class Session:
             s["attrs"]["layer"]: (s["attrs"]["num_kv_heads"], s["attrs"]["head_dim"]) for s in self.program if s["kind"] == "op" and s["op"] == "Attention"
         }
         self._head_steps = self._downstream_of_select()
+        # values no later step reads, by the step after which they die (freed as the chunk runs)
+        last = {name: i for i, st in enumerate(self.program) for name in st["inputs"]}
+        self._dead_after: dict[int, list[str]] = {}
+        for name, i in last.items():
+            if name != self.io["logits"]:
+                self._dead_after.setdefault(i, []).append(name)
         self._head = next((self.program[i]["name"] for i in sorted(self._head_steps) if self.program[i]["kind"] == "graph"), None)
         self._hot_pos: dict[str, np.ndarray] = {}
         for st in self.program:
@@ -220,8 +226,7 @@ class Session:
         # an idle session would steal the cores from the one that is running.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         streamed = g.get("streamed", [])
-        if self.residency is not None:  # prepacking would copy every resident weight (docs/memory-budget.md)
-            so.add_session_config_entry("session.disable_prepacking", "1")
+        budgeted = self.residency.session_options(ort, so) if self.residency is not None else {}  # copy no resident weight
         names = [n for n in g["weights"] if n not in streamed]
         for n in names:
             if n not in self._ortvalues:
@@ -229,7 +234,7 @@ class Session:
         if names:
             so.add_external_initializers(names, [self._ortvalues[n] for n in names])
         model_bytes = resolve_inside(self.bundle, inst["file"]).read_bytes()
-        sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"], **budgeted)
         if streamed:  # a per-tensor scale is a scalar input; feed every streamed weight in the graph's shape
             self.residency.streaming.shapes.update({i.name: tuple(i.shape) for i in sess.get_inputs() if i.name in streamed})
         self._sessions[key] = (sess, "")
@@ -258,6 +263,8 @@ class Session:
             self.io["positions"]: np.arange(start, start + rows, dtype=np.int64),
         }
         for i, s in enumerate(self.program):
+            for name in self._dead_after.get(i - 1, ()):
+                buf.pop(name, None)
             if logit_rows is None and i in self._head_steps:
                 continue
             if s["kind"] == "graph":

@@ -31,7 +31,8 @@ def plan_for(graph, chunk_plan: ChunkPlan, select: Callable[[str], bool], depth:
                 op_w[ref.name] = f"{node.op}.{slot}"
     size = {n: graph.weights[n].nbytes for n in set(graph_w) | set(op_w)}
     streamed = [n for n in graph_w if select(n)]
-    rows = [n for n, k in op_w.items() if k in ("Embedding.table", "ShadowOutliers.weight_t") and n not in graph_w]
+    # a table a graph also reads (tied embedding, LM head) is read by row when the graph streams it, else it is resident anyway
+    rows = [n for n, k in op_w.items() if k in ("Embedding.table", "ShadowOutliers.weight_t") and (n not in graph_w or n in streamed)]
     resident = [n for n in graph_w + list(op_w) if n not in streamed and n not in rows]
     resident = list(dict.fromkeys(resident))
     per_step = sorted((sum(buffer_size(size[n]) for n in ws) for ws in step_w), reverse=True)
