@@ -7,9 +7,10 @@ for decode / last-token logits). All weights live once in ``weights/weights.bin`
 with ``location = "weights/weights.bin"`` relative to the *bundle root*, and the
 runtime binds them by name from one shared memory map. (ONNX Runtime refuses
 external data outside a model's own folder, so the graphs are loaded through the
-runtime, not by path.) Under a memory budget the plan's *streamed* weights are
-graph inputs instead, fed by the runtime from its streaming buffers
-(``docs/memory-budget.md``).
+runtime, not by path.) Under a memory budget every weight of a graph is a graph
+input instead, fed by the runtime for each run — the plan's *streamed* weights
+from its streaming buffers, the resident ones from memory — because ONNX Runtime
+keeps a copy of each initializer per session (``docs/memory-budget.md``).
 
 Op lowering (opset 23):
 
@@ -176,7 +177,7 @@ class _Builder:
         for wname in self.used_weights:
             w = self.weights[wname]
             dims = [] if wname in self.scalar_weights else w["shape"]
-            if wname in self.streamed:  # fed by the runtime for every run, from its streaming buffers
+            if wname in self.streamed:  # fed by the runtime for every run (streaming buffers or resident memory)
                 weight_inputs.append(self.helper.make_tensor_value_info(wname, _NP_TO_ONNX[w["dtype"]], dims))
                 continue
             t = TensorProto()
@@ -216,13 +217,15 @@ def _check(model, root: Path) -> None:
 
 
 def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], root: Path, placement: str = "cpu",
-                streamed: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
+                streamed: frozenset[str] = frozenset(), fed: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
     """Write every subgraph instance; return the manifest's ``graphs`` table.
 
     Weights named in ``streamed`` (an :class:`~llmc.analyses.OffloadPlan`'s) become
     graph *inputs* of the same name, dtype and shape instead of external-data
     initializers: the runtime reads them from the weight file for every run and
-    feeds them. The graph's entry lists them under ``"streamed"``.
+    feeds them. The graph's entry lists them under ``"streamed"``. Weights in
+    ``fed`` become graph inputs too, fed from the runtime's resident memory
+    (listed under ``"fed"``).
     """
 
     (root / "graphs").mkdir(parents=True, exist_ok=True)
@@ -230,7 +233,7 @@ def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]
     for sub in plan.subgraphs:
         instances = {}
         for rows in sub.row_counts:
-            b = _Builder(graph, sub, rows, weights, streamed)
+            b = _Builder(graph, sub, rows, weights, streamed | fed)
             model = b.build()
             _check(model, root)
             rel = f"graphs/{sub.name}.r{rows}.onnx"
@@ -247,7 +250,8 @@ def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]
             "weight_bytes": sum(weights[w]["nbytes"] for w in sub.weights),
             "instances": instances,
         }
-        mine = [w for w in sub.weights if w in streamed]
-        if mine:
-            table[sub.name]["streamed"] = mine
+        for key, names in (("streamed", streamed), ("fed", fed)):
+            mine = [w for w in sub.weights if w in names]
+            if mine:
+                table[sub.name][key] = mine
     return table

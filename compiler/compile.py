@@ -141,7 +141,8 @@ def compile_model(
         weights = onnx_backend.write_weights(graph, order, root)
         offload = _offload_section(ctx, weights)
         graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu",
-                                          streamed=frozenset(offload["streamed"]) if offload else frozenset())
+                                          streamed=frozenset(offload["streamed"]) if offload else frozenset(),
+                                          fed=frozenset(offload["resident"]) if offload else frozenset())
         tok = _write_tokenizer(loaded, root)
         qnn = None
         if target == "npu":

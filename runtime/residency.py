@@ -520,6 +520,10 @@ def check_offload(bundle: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         raise BundleError(f"{bad} has a negative prefetch_depth or buffer_bytes", hint="the bundle is corrupt; recompile it")
     largest = 0
     for gname, g in manifest["graphs"].items():
+        fed = [n for n in g.get("fed", []) if n not in resident]
+        if fed:
+            raise BundleError(f"{bad} does not keep resident the weights {fed[:3]} that graph {gname} takes as resident inputs",
+                              hint="the graphs and the offload plan disagree; recompile the bundle")
         listed = g.get("streamed", [])
         want = [n for n in g["weights"] if n in streamed]
         if listed != want:

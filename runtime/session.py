@@ -113,6 +113,7 @@ class Session:
         self.residency = Residency(self.bundle, m, prefetch=prefetch) if "offload" in m else None
         self._weights: dict[str, Any] = self.residency.weights if self.residency else map_weights(self.bundle, m["weights"])
         self._ortvalues: dict[str, Any] = {}
+        self._fed: dict[str, dict[str, np.ndarray]] = {}  # graph -> resident weights fed as inputs (budgeted bundles)
         self._sessions: dict[tuple[str, int], Any] = {}
         self._attn_layers = {
             s["attrs"]["layer"]: (s["attrs"]["num_kv_heads"], s["attrs"]["head_dim"]) for s in self.program if s["kind"] == "op" and s["op"] == "Attention"
@@ -227,7 +228,8 @@ class Session:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         streamed = g.get("streamed", [])
         budgeted = self.residency.session_options(ort, so) if self.residency is not None else {}  # copy no resident weight
-        names = [n for n in g["weights"] if n not in streamed]
+        fed = g.get("fed", [])  # resident weights that are graph inputs: ORT keeps a copy of each initializer per session
+        names = [n for n in g["weights"] if n not in streamed and n not in fed]
         for n in names:
             if n not in self._ortvalues:
                 self._ortvalues[n] = ort.OrtValue.ortvalue_from_numpy(self._weights[n])
@@ -235,8 +237,11 @@ class Session:
             so.add_external_initializers(names, [self._ortvalues[n] for n in names])
         model_bytes = resolve_inside(self.bundle, inst["file"]).read_bytes()
         sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"], **budgeted)
-        if streamed:  # a per-tensor scale is a scalar input; feed every streamed weight in the graph's shape
-            self.residency.streaming.shapes.update({i.name: tuple(i.shape) for i in sess.get_inputs() if i.name in streamed})
+        shapes = {i.name: tuple(i.shape) for i in sess.get_inputs()}  # a per-tensor scale is a scalar input
+        if streamed:
+            self.residency.streaming.shapes.update({n: shapes[n] for n in streamed})
+        if fed:
+            self._fed[graph] = {n: self._weights[n].reshape(shapes[n]) for n in fed}
         self._sessions[key] = (sess, "")
         return self._sessions[key]
 
@@ -271,6 +276,8 @@ class Session:
                 r = buf[s["inputs"][0]].shape[0]
                 sess, prefix = self._session(s["name"], r)
                 feeds = {prefix + name: buf[name] for name in s["inputs"]}
+                if s["name"] in self._fed:
+                    feeds.update(self._fed[s["name"]])
                 if self.residency is not None and i in self.residency.streaming.by_step:
                     feeds.update(self.residency.streaming.acquire(i))
                     try:
