@@ -326,10 +326,10 @@ def test_cli_no_prefetch(pairs):
     assert r.exit_code == 0 and "offload    budget" in r.output
 
 
-# Fixed runtime overhead on SmolLM2-135M (Python, numpy, ONNX Runtime, sessions, KV cache,
-# activations, alignment slack): measured in docs/memory-budget.md; the guarantee is
-# peak RSS <= resident bytes + buffer bytes + this.
-SMOL_OVERHEAD_MB = 400
+# Runtime overhead on SmolLM2-135M (Python, numpy, ONNX Runtime, sessions, KV cache, activations,
+# alignment slack): docs/memory-budget.md measures 120-170 MiB at chunk 256 / max-context 2048 and
+# states peak RSS <= resident bytes + buffer bytes + 250 MiB (a full KV cache included).
+SMOL_OVERHEAD_MB = 250
 
 
 @pytest.mark.slow
@@ -351,7 +351,9 @@ def test_smollm2_peak_rss_under_budget(smol_bundles, tmp_path, monkeypatch):
         from llmc.runtime.bench import prompt_ids
         s = Session({str(out)!r}, provider="cpu")
         r = s.generate(prompt_ids(s, 100), 16, stop_at_eos=False)
-        print(json.dumps({{"peak_rss_mb": r.metrics.peak_rss_mb, "resident": s.residency.resident_bytes,
+        # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forked (large) pytest process
+        hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
+        print(json.dumps({{"peak_rss_mb": hwm, "resident": s.residency.resident_bytes,
                           "buffer": s.residency.plan["buffer_bytes"], "read": s.residency.streaming.stats.bytes_read}}))
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -360,3 +362,4 @@ def test_smollm2_peak_rss_under_budget(smol_bundles, tmp_path, monkeypatch):
     limit_mb = (r["resident"] + r["buffer"]) / 2**20 + SMOL_OVERHEAD_MB
     assert r["read"] > 0
     assert r["peak_rss_mb"] <= limit_mb, r
+    print(f"SmolLM2 budgeted: peak RSS {r['peak_rss_mb']:.0f} MiB, overhead {r['peak_rss_mb'] - limit_mb + SMOL_OVERHEAD_MB:.0f} MiB")
