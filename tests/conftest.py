@@ -34,6 +34,8 @@ def family_configs():
         "mistral": T.MistralConfig(**COMMON, sliding_window=12),
         "phi3": T.Phi3Config(**COMMON),
         "gemma": T.GemmaConfig(**{**COMMON, "head_dim": 24, "num_key_value_heads": 1}),
+        # parallel attention and MLP off one LayerNorm, biases everywhere, partial rotary (8 of 16)
+        "phi": T.PhiConfig(**{**COMMON, "num_key_value_heads": 4, "partial_rotary_factor": 0.5}),
     }
 
 
