@@ -23,7 +23,8 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   outlier rates p_c; without calibration llm.npu's 0.3% of channels), and the
   copy of the results (``8nN`` bytes).
 * Embedding, rotary tables, row selection: bytes moved / ``cpu.mem_bytes_per_s``.
-* Every step adds its processor's ``launch_s``; a hand-off between CPU and NPU
+* Every graph step adds its processor's ``launch_s``, every dynamic op step
+  ``cpu.op_launch_s`` (default ``cpu.launch_s``); a hand-off between CPU and NPU
   adds ``sync_s`` (the ``place`` and ``schedule`` passes charge it).
 * Weight I/O for streamed weights: ``bytes / storage.read_bytes_per_s``.
 """
@@ -113,8 +114,12 @@ class CostModel:
 
     def step_seconds(self, step: Step, rows: int, n: int, keys: int, proc: str) -> float:
         """One step: its nodes plus the processor's launch cost."""
-        nodes = self.plan.subgraph(step.name).nodes if step.kind == "graph" else (step.name,)
-        t = self.profile[f"{proc}.launch_s"]
+        if step.kind == "graph":
+            nodes = self.plan.subgraph(step.name).nodes
+            t = self.profile[f"{proc}.launch_s"]
+        else:
+            nodes = (step.name,)
+            t = self.profile.get("cpu.op_launch_s") or self.profile["cpu.launch_s"]
         for name in nodes:
             t += self.node_seconds(self.graph.node(name), rows, n, keys, proc)
         return t

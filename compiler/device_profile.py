@@ -15,7 +15,8 @@ Keys (SI units: seconds, bytes, operations):
 
 * ``cpu.*``: ``int8_ops_per_s``, ``fp32_flops_per_s`` (GEMM at chunk shape),
   ``attention_flops_per_s``, ``mem_bytes_per_s`` (streaming weights/activations),
-  ``launch_s`` (fixed cost of one graph or op call) — required;
+  ``launch_s`` (fixed cost of one graph call) — required; ``op_launch_s``
+  (fixed cost of a dynamic op such as attention; default ``launch_s``);
 * ``npu.*``: ``int8_ops_per_s`` (compute ceiling), ``weight_bytes_per_s`` (rate its
   matmuls stream int8 weights), ``fp16_ops_per_s``, ``mem_bytes_per_s``,
   ``launch_s`` — all or none (a profile without them has no NPU);
@@ -38,7 +39,7 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 CPU_KEYS = ("cpu.int8_ops_per_s", "cpu.fp32_flops_per_s", "cpu.attention_flops_per_s", "cpu.mem_bytes_per_s", "cpu.launch_s")
 NPU_KEYS = ("npu.int8_ops_per_s", "npu.weight_bytes_per_s", "npu.fp16_ops_per_s", "npu.mem_bytes_per_s", "npu.launch_s")
 OTHER_KEYS = ("memory.ram_bytes", "storage.read_bytes_per_s")
-OPTIONAL_KEYS = ("sync_s", "memory.npu_addressable_bytes")
+OPTIONAL_KEYS = ("sync_s", "memory.npu_addressable_bytes", "cpu.op_launch_s")
 
 
 class ProfileError(LlmcError):

@@ -6,6 +6,9 @@ processor; running it on the NPU also pays two CPU<->NPU hand-offs (``sync_s``),
 because the steps around a subgraph are dynamic CPU ops (attention, shadow
 outliers). The subgraph goes to the NPU when that is faster. Dynamic ops always
 run on the CPU. A profile without an NPU (``host``) places everything on the CPU.
+``--placement npu`` (or ``cpu``) overrides the choice for every static subgraph
+(the costs are still recorded): to run a small model's graphs on the HTP anyway,
+or to keep a bundle off it.
 
 Produces :class:`llmc.analyses.Placement` (with every step's predicted costs);
 the IR is unchanged.
@@ -18,6 +21,7 @@ import logging
 from llmc.analyses import ChunkPlan, Placement, ShadowPlan, StepCost
 from llmc.cost_model import CostModel
 from llmc.device_profile import load as load_profile
+from llmc.errors import CompileError
 from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
 
@@ -47,14 +51,20 @@ class Place(Pass):
         keys = prompt_len(ctx)
         sync = cm.profile.get("sync_s", 0.0) if cm.profile.has_npu else 0.0
         procs = ("npu", "cpu") if cm.profile.has_npu else ("cpu",)
+        forced = ctx.options.placement
+        if forced not in ("auto", "npu", "cpu"):
+            raise CompileError(f"--placement {forced!r}: choose auto, npu or cpu")
         prefill, decode, costs = {}, {}, {}
         for step in plan.steps:
             rows = 1 if step.name == "head" else c
             pre = {p: cm.step_seconds(step, rows, rows, keys, p) for p in procs if cm.can_run(step, p)}
             dec = {p: cm.step_seconds(step, 1, 1, keys, p) for p in procs if cm.can_run(step, p)}
             costs[step.name] = StepCost(step.name, pre, dec)
-            prefill[step.name] = _cheapest(pre, sync)
-            decode[step.name] = _cheapest(dec, sync)
+            if forced != "auto" and step.kind == "graph":
+                prefill[step.name] = decode[step.name] = forced
+            else:
+                prefill[step.name] = _cheapest(pre, sync)
+                decode[step.name] = _cheapest(dec, sync)
         on_npu = sum(1 for s in plan.steps if prefill[s.name] == "npu")
         log.info("place (%s): %d of %d steps on the NPU for prefill, %d for decode", cm.profile.name, on_npu, len(plan.steps),
                  sum(1 for s in plan.steps if decode[s.name] == "npu"))

@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as llmc.runtime does; see runtime/__init__.py
+# Tests never see a host profile measured on the developer's machine: compiles plan for 8gen3.
+import tempfile as _tempfile
+
+os.environ["LLMC_PROFILE_DIR"] = _tempfile.mkdtemp(prefix="llmc-test-profiles-")
 
 import importlib.util
 from pathlib import Path
