@@ -18,7 +18,7 @@ from typing import Any
 
 from llmc.analyses import ChunkPlan, OffloadPlan, Placement, Schedule
 from llmc.errors import ModelLoadError
-from llmc.pass_manager import CompileOptions, ModelInputs, PassContext, parse_pipeline, run_pipeline
+from llmc.pass_manager import CompileOptions, ModelInputs, PassContext, format_pipeline, parse_pipeline, run_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -125,34 +125,45 @@ class PlanResult:
         return d
 
 
-def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu", chunk: int = 256, max_context: int | None = None,
-               memory_budget: str | None = None, prefetch_depth: int = 2, pipeline: str | None = None,
-               shadow: bool = True, shadow_keep: float = 1.0) -> PlanResult:
+def planned_program(source: str, options: CompileOptions, pipeline: str | None = None):
+    """Build ``source`` on the meta device, lift it and run the planning pipeline.
+
+    Returns ``(graph, ctx, description, pipeline)``; the analyses (ChunkPlan,
+    Placement, Schedule, OffloadPlan) are in ``ctx``.
+    """
     from llmc import lift as lift_mod
     from llmc import model_source
     from llmc.device_profile import load as load_profile
-    from llmc.errors import CompileError
     from llmc.passes import DEFAULT_PIPELINES, REGISTRY
+
+    load_profile(options.profile)  # fail before the slow part
+    passes = parse_pipeline(pipeline or DEFAULT_PIPELINES[f"plan-{options.target}"], REGISTRY)
+    config, description = load_config(source)
+    model_source.check_config(config, source)
+    model = meta_model(config)
+    ep = lift_mod.trace(model, options.chunk)
+    graph = lift_mod.lift(ep, model, name=type(model).__name__)
+    del ep
+    ctx = PassContext(options, ModelInputs(None, f"plan:{source}"))
+    run_pipeline(graph, passes, ctx)
+    return graph, ctx, description, format_pipeline(passes)
+
+
+def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu", chunk: int = 256, max_context: int | None = None,
+               memory_budget: str | None = None, prefetch_depth: int = 2, pipeline: str | None = None,
+               shadow: bool = True, shadow_keep: float = 1.0) -> PlanResult:
+    from llmc.errors import CompileError
 
     if prompt_len < 1:
         raise CompileError(f"--prompt-len must be at least 1, is {prompt_len}")
     if target not in ("npu", "cpu"):
         raise CompileError(f"llmc plan supports --target npu or cpu, not {target!r}")
-    load_profile(profile)  # fail before the slow part
-    config, description = load_config(source)
-    model_source.check_config(config, source)
     max_context = max_context or chunk * math.ceil(prompt_len / chunk)
     if prompt_len > max_context:
         raise CompileError(f"--prompt-len {prompt_len} exceeds --max-context {max_context}")
-    model = meta_model(config)
-    ep = lift_mod.trace(model, chunk)
-    graph = lift_mod.lift(ep, model, name=type(model).__name__)
-    del ep
-    passes = parse_pipeline(pipeline or DEFAULT_PIPELINES[f"plan-{target}"], REGISTRY)
     options = CompileOptions(target=target, chunk=chunk, max_context=max_context, profile=profile, prompt_len=prompt_len,
                              memory_budget=memory_budget, prefetch_depth=prefetch_depth, shadow=shadow, shadow_keep=shadow_keep)
-    ctx = PassContext(options, ModelInputs(None, f"plan:{source}"))
-    run_pipeline(graph, passes, ctx)
+    graph, ctx, description, pipeline_text = planned_program(source, options, pipeline)
     plan = ctx.get(ChunkPlan)
     used: set[str] = set()
     for s in plan.subgraphs:
@@ -162,5 +173,5 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
             used.update(r.name for r in graph.node(st.name).weights.values() if not r.name.endswith(".weight_t"))
     weight_bytes = sum(graph.weights[w].nbytes for w in used)
     kv = sum(2 * prompt_len * n.attrs["num_kv_heads"] * n.attrs["head_dim"] * 4 for n in graph.find("Attention"))
-    return PlanResult(source, description, profile, target, chunk, prompt_len, ",".join(p.name for p in passes),
+    return PlanResult(source, description, profile, target, chunk, prompt_len, pipeline_text,
                       ctx.get(Placement), ctx.get(Schedule), ctx.get(OffloadPlan) if ctx.has(OffloadPlan) else None, weight_bytes, kv)

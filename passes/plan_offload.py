@@ -106,26 +106,26 @@ class PlanOffload(Pass):
         for w in big:
             layer = layer_of(w)
             groups.setdefault(layer if layer is not None else f"other:{w}", []).append(w)
-        lo, hi = 0.0, 1.0
-        best = None
-        for _ in range(40):  # bisect the resident share until resident + ring fits the budget
-            share = hi if best is None else (lo + hi) / 2
+        def attempt(share: float):
             resident = _balanced(groups, size, share)
             streamed = [w for w in big if w not in resident]
             ring = _ring_bytes(plan, streamed, size, depth, step_of)
-            used = fixed + sum(size[w] for w in resident) + ring
-            if used <= budget:
-                best = (share, resident, streamed, ring, used)
-                lo = share
-                if share == 1.0:
-                    break
-            else:
-                hi = share
-        if best is None:
-            need = fixed + _ring_bytes(plan, big, size, depth, step_of)
-            raise CompileError(f"--memory-budget {opts.memory_budget} ({format_size(budget)}) is below the minimum of {format_size(need)} "
-                               f"for this model (always-resident small weights {format_size(fixed)} plus the prefetch ring)",
-                               hint=f"raise the budget to at least {format_size(need)}, or lower --prefetch-depth")
+            return share, resident, streamed, ring, fixed + sum(size[w] for w in resident) + ring
+
+        best = attempt(1.0)
+        if best[4] > budget:
+            best = attempt(0.0)
+            if best[4] > budget:
+                raise CompileError(f"--memory-budget {opts.memory_budget} ({format_size(budget)}) is below the minimum of {format_size(best[4])} "
+                                   f"for this model (always-resident small weights {format_size(fixed)} plus the prefetch ring)",
+                                   hint=f"raise the budget to at least {format_size(best[4])}, or lower --prefetch-depth")
+            lo, hi = 0.0, 1.0
+            for _ in range(30):  # the largest per-layer resident share whose resident set and ring fit
+                trial = attempt((lo + hi) / 2)
+                if trial[4] <= budget:
+                    best, lo = trial, trial[0]
+                else:
+                    hi = trial[0]
         share, resident, streamed, ring, used = best
         resident_all = small + extra + [w for w in big if w in resident]
         s_bytes = sum(size[w] for w in streamed)
