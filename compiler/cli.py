@@ -317,7 +317,13 @@ def inspect(bundle, as_json, no_verify):
         "total_bytes": sum(f["bytes"] for f in files.values()),
         "qnn": _qnn_summary(m.get("qnn")),
         "mlir": sorted({e["dialect"] for g in (m.get("mlir") or {}).values() for e in g.values()}),
+        "placement": None,
+        "predicted": (m.get("schedule") or {}).get("predicted"),
     }
+    if m.get("placement"):
+        pl = m["placement"]
+        summary["placement"] = {"profile": pl["profile"], **{ph: {p: sorted(s for s, q in pl[ph].items() if q == p and s in m["graphs"]) for p in ("npu", "cpu")}
+                                                             for ph in ("prefill", "decode")}}
     if as_json:
         click.echo(json.dumps(summary, indent=1))
         return
@@ -344,6 +350,15 @@ def inspect(bundle, as_json, no_verify):
                 click.echo(f"  shard {b['shard']:<3} {', '.join(b['files'])}  {b['bytes'] / 1e6:.2f} MB  ({len(b['graphs'])} graphs share its weights)")
     if summary["mlir"]:
         click.echo(f"mlir       {', '.join(summary['mlir'])} modules for every subgraph instance (mlir/)")
+    if summary["placement"]:
+        pl = summary["placement"]
+        click.echo(f"placement  ({pl['profile']}) prefill: {len(pl['prefill']['npu'])} graphs on NPU, {len(pl['prefill']['cpu'])} on CPU; "
+                   f"decode: {len(pl['decode']['npu'])} on NPU, {len(pl['decode']['cpu'])} on CPU")
+    pr = summary["predicted"]
+    if pr:
+        click.echo(f"predicted  ({pr['profile']}) prefill {pr['prompt_len']} tokens {pr['prefill_s'] * 1e3:.0f} ms ({pr['prefill_tok_s']:.0f} tok/s, "
+                   f"in order {pr['prefill_in_order_s'] * 1e3:.0f} ms), NPU bubbles {pr['npu_bubble_rate_out_of_order'] * 100:.0f}%; "
+                   f"decode {pr['decode_tok_s']:.1f} tok/s")
     click.echo(f"total      {summary['total_bytes'] / 1e6:.1f} MB in {len(files)} files")
 
 
