@@ -128,6 +128,7 @@ class InputQuant:
     outlier_rate: float  # fraction of calibration entries beyond clip
     shadow: bool  # whether the Linears reading it keep a CPU shadow path
     hot_channels: tuple[int, ...]  # input channels whose float weight rows stay resident
+    channel_rates: tuple[float, ...] = ()  # per input channel, the share of calibration rows beyond clip (cost model)
 
     @property
     def lo(self) -> float:
@@ -240,8 +241,13 @@ class Schedule:
     head_s: float  # the LM head on the last prompt token, after the timeline
 
     @property
+    def chosen(self) -> Timeline:
+        """The timeline the stored orders follow: out-of-order unless it is slower."""
+        return self.out_of_order if self.out_of_order.makespan_s <= self.in_order.makespan_s else self.in_order
+
+    @property
     def prefill_s(self) -> float:
-        return self.out_of_order.makespan_s + self.head_s
+        return self.chosen.makespan_s + self.head_s
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,12 +77,21 @@ def cli(verbose: int) -> None:
 @click.option("--pruned-percentile", type=click.FloatRange(50, 100), default=99.999, show_default=True, help="[npu] Clip of inputs whose shadow is pruned (100 = calibration max).")
 @click.option("--hot-budget", type=click.FloatRange(0, 1), default=0.01, show_default=True, help="[npu] Resident float shadow rows, as a fraction of the int8 weight bytes.")
 @click.option("--weight-granularity", type=click.Choice(["channel", "tensor"]), default="channel", show_default=True, help="[npu] int8 weight scales per output channel or per tensor.")
+@click.option("--profile", "profile", default=None,
+              help="Device profile the cost model plans for (see `llmc profiles`; a name or a .json path). Default: the --soc, "
+                   "else this machine's `host` profile when measured, else 8gen3.")
+@click.option("--placement", type=click.Choice(["auto", "npu", "cpu"]), default="auto", show_default=True,
+              help="Processor of the static subgraphs: chosen by the cost model (auto), or all on the NPU / CPU.")
+@click.option("--prompt-len", type=click.IntRange(1), default=None, help="Prompt length the schedule's predictions are reported for (default: --max-context).")
+@click.option("--memory-budget", default=None,
+              help="Keep at most this many bytes of weights resident (e.g. 300MB, 1.5GB, 50%% of the weight bytes); the rest streams from the bundle.")
+@click.option("--prefetch-depth", type=click.IntRange(0), default=2, show_default=True, help="[--memory-budget] Steps of streamed weights read ahead.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Cache for calibration results and dequantized GGUF models (default: $LLMC_CACHE_DIR or ~/.cache/llmc).")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the cache.")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @_guard
 def compile(model, out, target, soc, qnn_shard_mb, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
-            shadow_keep, pruned_percentile, hot_budget, weight_granularity, cache_dir, no_cache, quiet):
+            shadow_keep, pruned_percentile, hot_budget, weight_granularity, profile, placement, prompt_len, memory_budget, prefetch_depth, cache_dir, no_cache, quiet):
     """Compile MODEL into a bundle.
 
     MODEL is the bundled name `smollm2-135m`, a HuggingFace model directory, a .gguf
@@ -112,7 +121,7 @@ def compile(model, out, target, soc, qnn_shard_mb, mlir_dialect, repro_dir, chun
         mlir_dialect=mlir_dialect, repro_dir=repro_dir, soc=soc, qnn_shard_bytes=qnn_shard_mb << 20 if qnn_shard_mb else None,
         calib_file=calib_file, calib_tokens=calib_tokens, cache_dir=cache_dir, shadow=not no_shadow, clip_percentile=clip_percentile,
         shadow_keep=shadow_keep, pruned_percentile=None if pruned_percentile >= 100 else pruned_percentile, hot_budget=hot_budget,
-        weight_granularity=weight_granularity,
+        weight_granularity=weight_granularity, profile=profile, placement=placement, prompt_len=prompt_len, memory_budget=memory_budget, prefetch_depth=prefetch_depth,
     )
     if time_passes:
         click.echo("pass timings:", err=True)
@@ -124,6 +133,94 @@ def compile(model, out, target, soc, qnn_shard_mb, mlir_dialect, repro_dir, chun
         f"wrote {summary.bundle}: {summary.graphs} static subgraphs ({summary.graph_files} ONNX files), "
         f"{summary.weight_bytes / 1e6:.1f} MB of weights, pipeline {summary.pipeline}, {time.perf_counter() - t0:.1f}s"
     )
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--soc", "--profile", "profile", default="8gen3", show_default=True,
+              help="Device profile: 8gen2, 8gen3, 8elite, host (after `llmc profile-host`) or a profile .json.")
+@click.option("--prompt-len", type=click.IntRange(1), default=1024, show_default=True, help="Prompt length to predict prefill for.")
+@click.option("--target", type=click.Choice(["npu", "cpu"]), default="npu", show_default=True, help="Program shape to plan: W8A8 with shadow outliers (npu) or float32 (cpu).")
+@click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C.")
+@click.option("--memory-budget", default=None, help="Plan weight offloading under this budget (e.g. 2GB, 50%%).")
+@click.option("--prefetch-depth", type=click.IntRange(0), default=2, show_default=True, help="Steps of streamed weights read ahead.")
+@click.option("--shadow-keep", type=click.FloatRange(0, 1), default=1.0, show_default=True,
+              help="Fraction of Linear inputs that keep a shadow path (llm.npu prunes 85%%: 0.15).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@_guard
+def plan(model, profile, prompt_len, target, chunk, memory_budget, prefetch_depth, shadow_keep, as_json):
+    """Predict MODEL's prefill and decode speed and memory on a device, from its config alone.
+
+    MODEL is a shipped config name (qwen1.5-1.8b, gemma-2b, phi-2, llama-2-7b, mistral-7b),
+    smollm2-135m, a config.json, a model directory or a .gguf file. No weight is loaded and
+    nothing is downloaded: the model is built with meta tensors.
+    """
+    from llmc.plan import plan_model
+    from llmc.units import format_size
+
+    r = plan_model(model, profile=profile, prompt_len=prompt_len, target=target, chunk=chunk, memory_budget=memory_budget,
+                   prefetch_depth=prefetch_depth, shadow_keep=shadow_keep)
+    d = r.as_dict()
+    if as_json:
+        click.echo(json.dumps(d, indent=1, sort_keys=True))
+        return
+    pre, dec, mem = d["prefill"], d["decode"], d["memory"]
+    click.echo(f"model      {model} ({r.description}); {target} program, chunk {chunk}")
+    click.echo(f"profile    {profile}")
+    click.echo(f"prefill    {prompt_len} tokens: {pre['latency_s'] * 1e3:.0f} ms, {pre['tok_s']:.0f} tok/s ({pre['policy']}; "
+               f"in-order {pre['in_order_s'] * 1e3:.0f} ms)")
+    click.echo(f"npu        bubbles {pre['npu_bubble_rate_in_order'] * 100:.0f}% in order -> {pre['npu_bubble_rate_out_of_order'] * 100:.0f}% out of order; "
+               f"busy NPU {pre['npu_busy_s'] * 1e3:.0f} ms, CPU {pre['cpu_busy_s'] * 1e3:.0f} ms")
+    click.echo(f"placement  prefill {d['placement']['prefill']['npu']} steps on NPU / {d['placement']['prefill']['cpu']} on CPU; "
+               f"decode {d['placement']['decode']['npu']} / {d['placement']['decode']['cpu']}")
+    click.echo(f"decode     {dec['tok_s']:.1f} tok/s ({dec['s_per_token'] * 1e3:.1f} ms/token)")
+    click.echo(f"memory     weights {format_size(mem['weight_bytes'])}, KV cache {format_size(mem['kv_cache_bytes'])} at {prompt_len} tokens")
+    if "offload" in d:
+        o = d["offload"]
+        click.echo(f"offload    budget {format_size(o['budget_bytes'])}: resident {format_size(o['resident_bytes'])}, streamed "
+                   f"{format_size(o['streamed_bytes_per_token'])}/token, ring {format_size(o['buffer_bytes'])} (depth {o['prefetch_depth']}); "
+                   f"decode {o['decode_tok_s_prefetch']:.1f} tok/s with prefetch, {o['decode_tok_s_no_prefetch']:.1f} without")
+
+
+@cli.command("profile-host")
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False), default=None,
+              help="Where to write the profile (default: the user profile directory, where --profile host finds it).")
+@click.option("--threads", type=click.IntRange(1), default=None, help="Threads for ONNX Runtime (default: all cores, as `llmc run`).")
+@click.option("--json", "as_json", is_flag=True, help="Also print the profile as JSON.")
+@_guard
+def profile_host(out, threads, as_json):
+    """Measure this machine's device profile (`host`) with micro-benchmarks (under a minute)."""
+    from llmc.device_profile import save, user_profile_dir
+    from llmc.host_profile import measure
+
+    path = Path(out) if out else user_profile_dir() / "host.json"
+    prof = measure(threads=threads, progress=lambda s: click.echo(f"measuring {s}", err=True))
+    save(prof, path)
+    if as_json:
+        click.echo(json.dumps(prof.as_json(), indent=1, sort_keys=True))
+    for k in sorted(prof.values):
+        click.echo(f"  {k:<28} {prof.values[k]:.4g}")
+    click.echo(f"wrote {path}")
+
+
+@cli.command()
+@click.argument("name", required=False)
+@_guard
+def profiles(name):
+    """List the device profiles, or show NAME's numbers with their sources."""
+    from llmc import device_profile
+
+    if name is None:
+        for n in device_profile.available():
+            p = device_profile.load(n)
+            click.echo(f"{n:<8} {p.description}")
+        if "host" not in device_profile.available():
+            click.echo("host     (not measured yet: run `llmc profile-host`)")
+        return
+    p = device_profile.load(name)
+    click.echo(f"{p.name}: {p.description}  [{p.path}]")
+    for k in sorted(p.values):
+        click.echo(f"  {k:<28} {p.values[k]:.4g}\n      source: {p.sources[k]}")
 
 
 def _make_session(bundle, provider, threads, prefetch=True):
@@ -227,7 +324,13 @@ def inspect(bundle, as_json, no_verify):
         "mlir": sorted({e["dialect"] for g in (m.get("mlir") or {}).values() for e in g.values()}),
         "offload": {k: v for k, v in m["offload"].items() if not isinstance(v, list)} | {k: len(m["offload"][k]) for k in ("resident", "streamed", "row_streamed")}
         if "offload" in m else None,
+        "placement": None,
+        "predicted": (m.get("schedule") or {}).get("predicted"),
     }
+    if m.get("placement"):
+        pl = m["placement"]
+        summary["placement"] = {"profile": pl["profile"], **{ph: {p: sorted(s for s, q in pl[ph].items() if q == p and s in m["graphs"]) for p in ("npu", "cpu")}
+                                                             for ph in ("prefill", "decode")}}
     if as_json:
         click.echo(json.dumps(summary, indent=1))
         return
@@ -259,6 +362,15 @@ def inspect(bundle, as_json, no_verify):
                    f"buffer {o['buffer_bytes'] / 1e6:.1f} MB, prefetch depth {o['prefetch_depth']}")
     if summary["mlir"]:
         click.echo(f"mlir       {', '.join(summary['mlir'])} modules for every subgraph instance (mlir/)")
+    if summary["placement"]:
+        pl = summary["placement"]
+        click.echo(f"placement  ({pl['profile']}) prefill: {len(pl['prefill']['npu'])} graphs on NPU, {len(pl['prefill']['cpu'])} on CPU; "
+                   f"decode: {len(pl['decode']['npu'])} on NPU, {len(pl['decode']['cpu'])} on CPU")
+    pr = summary["predicted"]
+    if pr:
+        click.echo(f"predicted  ({pr['profile']}) prefill {pr['prompt_len']} tokens {pr['prefill_s'] * 1e3:.0f} ms ({pr['prefill_tok_s']:.0f} tok/s, "
+                   f"in order {pr['prefill_in_order_s'] * 1e3:.0f} ms), NPU bubbles {pr['npu_bubble_rate_out_of_order'] * 100:.0f}%; "
+                   f"decode {pr['decode_tok_s']:.1f} tok/s")
     click.echo(f"total      {summary['total_bytes'] / 1e6:.1f} MB in {len(files)} files")
 
 

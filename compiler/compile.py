@@ -41,6 +41,22 @@ def default_pipeline(target: str) -> str:
     return DEFAULT_PIPELINES[target]
 
 
+def resolve_profile(profile: str | None, soc: str | None) -> str:
+    """The device profile the cost model plans for: ``--profile``, else the ``--soc``,
+    else this machine's measured ``host`` profile, else Snapdragon 8 Gen 3."""
+    from llmc import device_profile
+
+    if profile:
+        device_profile.load(profile)  # fail fast on a bad name
+        return profile
+    if soc:
+        return soc
+    if "host" in device_profile.available():
+        return "host"
+    log.info("no host profile measured (llmc profile-host); the cost model plans for 8gen3")
+    return "8gen3"
+
+
 def compile_model(
     source: str,
     out: str | Path,
@@ -98,6 +114,7 @@ def compile_model(
             log.warning("QNN context binaries skipped: %s; the bundle has the ONNX graphs only", qnn_skip)
     default = "npu-qnn" if target == "npu" and not qnn_skip else target
     passes = parse_pipeline(pipeline or default_pipeline(default), REGISTRY)  # fail fast on a bad --pipeline
+    quant_options["profile"] = resolve_profile(quant_options.get("profile"), soc)
     try:
         options = CompileOptions(target=target, chunk=chunk, max_context=max_context, **quant_options)
     except TypeError as e:
@@ -172,13 +189,16 @@ def compile_model(
             "program": _program(graph, plan),
             "tokenizer": tok,
         }
+        manifest.update(_plan_sections(ctx))
         if mlir is not None:
             manifest["mlir"] = mlir
         if qnn is not None:
             manifest["qnn"] = qnn
         if offload is not None:
             manifest["offload"] = offload
-        report = build_report(graph, ctx, weights)
+        report = build_report(graph, ctx, weights) or {}
+        if predictions(ctx):
+            report["predictions"] = predictions(ctx)
         if report:
             (root / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
         bundle_mod.write_manifest(root, manifest)
@@ -272,6 +292,50 @@ def _offload_section(ctx: PassContext, weights: dict[str, dict[str, Any]]) -> di
             raise CompileError(f"the offload plan's {key} weights {unknown[:3]} are not in the bundle's weight table",
                                hint="the pass that made the OffloadPlan named weights the pipeline removed; rerun it after the passes that rename weights")
     return section
+
+
+def predictions(ctx: PassContext) -> dict[str, Any] | None:
+    """The cost model's predictions for the compiled program (report.json, `llmc inspect`)."""
+    from llmc.analyses import OffloadPlan, Schedule
+
+    if not ctx.has(Schedule):
+        return None
+    s = ctx.get(Schedule)
+    out: dict[str, Any] = {
+        "profile": ctx.options.profile,
+        "prompt_len": s.prompt_len,
+        "prefill_s": s.prefill_s,
+        "prefill_tok_s": s.prompt_len / s.prefill_s if s.prefill_s > 0 else 0.0,
+        "prefill_in_order_s": s.in_order.makespan_s + s.head_s,
+        "prefill_out_of_order_s": s.out_of_order.makespan_s + s.head_s,
+        "npu_bubble_rate_in_order": s.in_order.npu_bubble_rate,
+        "npu_bubble_rate_out_of_order": s.out_of_order.npu_bubble_rate,
+        "decode_s_per_token": s.decode_s,
+        "decode_tok_s": 1.0 / s.decode_s if s.decode_s > 0 else 0.0,
+    }
+    if ctx.has(OffloadPlan):
+        o = ctx.get(OffloadPlan)
+        out["decode_tok_s_under_budget"] = 1.0 / o.predicted_decode_s
+        out["decode_tok_s_under_budget_no_prefetch"] = 1.0 / o.predicted_decode_no_prefetch_s
+    return out
+
+
+def _plan_sections(ctx: PassContext) -> dict[str, Any]:
+    """Manifest sections of the placement and the schedule, when the pipeline made them."""
+    from llmc.analyses import Placement, Schedule
+
+    out: dict[str, Any] = {}
+    if ctx.has(Placement):
+        p = ctx.get(Placement)
+        out["placement"] = {"profile": p.profile, "prefill": dict(p.prefill), "decode": dict(p.decode)}
+    if ctx.has(Schedule):
+        s = ctx.get(Schedule)
+        out["schedule"] = {
+            "policy": s.chosen.policy,
+            "orders": {str(k): [list(t) for t in order] for k, order in sorted(s.orders.items())},
+            "predicted": predictions(ctx),
+        }
+    return out
 
 
 def _positions(graph) -> str:

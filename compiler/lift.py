@@ -64,7 +64,8 @@ def trace(model: Any, rows: int):
     """``torch.export`` the model on ``[1, rows]`` token ids without a KV cache."""
     import torch
 
-    ids = torch.zeros((1, rows), dtype=torch.long)
+    param = next(model.parameters(), None)
+    ids = torch.zeros((1, rows), dtype=torch.long, device=param.device if param is not None else "cpu")
     try:
         with torch.no_grad():
             return torch.export.export(model, (), {"input_ids": ids, "use_cache": False}, strict=False)
@@ -98,7 +99,15 @@ def _region_kind(cls: str) -> str | None:
         return "rotary"
     if short.endswith("Attention"):
         return "attention"
+    if short in _GELU_TANH_MODULES:
+        return "gelu_tanh"
     return None
+
+
+# transformers modules that spell out 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) in
+# element-wise ops (Phi, GPT-2 style "gelu_new" / "gelu_fast"): lifted whole as one Act.
+_GELU_TANH_MODULES = {"NewGELUActivation", "FastGELUActivation", "GELUTanh", "PytorchGELUTanh"}
+_GELU_TANH_OPS = {"aten.pow.Tensor_Scalar", "aten.mul.Tensor", "aten.add.Tensor", "aten.tanh.default", "aten.gelu.default"}
 
 
 def _as2d(shape) -> tuple[int, int] | None:
@@ -158,7 +167,8 @@ class _Lifter:
 
     def weight(self, placeholder):
         t = self.tensor_of(placeholder)
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        # Meta tensors (planning from a config) have no storage: tied weights are the same object.
+        key = (id(t),) if t.is_meta else (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
         if key in self._weight_keys:  # tied weights (lm_head = embed_tokens) are stored once
             return self.graph.weights[self._weight_keys[key]]
         name = self.param_of[placeholder.name]
@@ -321,6 +331,11 @@ class _Lifter:
         if b is not None:
             weights["bias"] = self.weight(b)
         node = self.graph.add_node("Linear", [self.value(x)], weights=weights, name=key)
+        self.env[self.single_output(key)] = node.outputs[0]
+
+    def lift_gelu_tanh(self, key: str) -> None:
+        self.check_ops(key, _IDENTITY | _NO_OUTPUT | _GELU_TANH_OPS)
+        node = self.graph.add_node("Act", [self.value(self.data_input(key))], attrs={"kind": "gelu_tanh"}, name=key)
         self.env[self.single_output(key)] = node.outputs[0]
 
     def lift_embedding(self, key: str) -> None:
@@ -532,7 +547,8 @@ class _Lifter:
         if hasattr(a, "op") and self.is_param(a):
             t = self.tensor_of(a)
             if t.numel() == 1:
-                return float(t.reshape(()).item())
+                # planning from a config (meta tensors): the value is unknown and unused
+                return float("nan") if t.is_meta else float(t.reshape(()).item())
         return None
 
     def lift_elementwise(self, n) -> None:

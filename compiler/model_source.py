@@ -37,6 +37,7 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": "Mistral",
     "phi3": "Phi-3",
     "gemma": "Gemma",
+    "phi": "Phi",
 }
 
 # Rope variants whose effect is fully captured by the inv_freq buffer and the

@@ -48,7 +48,8 @@ class CompileOptions:
     hot_budget: float = 0.01  # resident float shadow rows, as a fraction of the int8 weight bytes
     weight_granularity: str = "channel"  # "channel" | "tensor"
     # cost model, placement, schedule, offload
-    profile: str = "host"  # device profile name (llmc.device_profile) the cost model reads
+    placement: str = "auto"  # "auto" (cost model) | "npu" (every static subgraph) | "cpu"
+    profile: str = "8gen3"  # device profile (llmc.device_profile); compile_model picks --profile, --soc, else host when measured
     prompt_len: int | None = None  # prompt the schedule's timelines are reported for; None = max_context
     memory_budget: int | None = None  # bytes of weights that may stay resident; None = all
     prefetch_depth: int = 2  # streamed steps read ahead of the one running

@@ -85,6 +85,7 @@ class ExtractShadowOutliers(Pass):
                 outlier_rate=st.fraction_above(clips[v]),
                 shadow=shadow,
                 hot_channels=tuple(sorted(hot.get(v, ()))),
+                channel_rates=tuple(float(c) for c in st.channel_counts_above(clip) / max(st.count // len(st.channel_absmax), 1)) if shadow else (),
             )
         ctx.put(ShadowPlan(plan, opts.clip_percentile, opts.shadow_keep if opts.shadow else 0.0, opts.shadow))
         return PassResult(False)

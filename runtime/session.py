@@ -119,13 +119,18 @@ class Session:
             s["attrs"]["layer"]: (s["attrs"]["num_kv_heads"], s["attrs"]["head_dim"]) for s in self.program if s["kind"] == "op" and s["op"] == "Attention"
         }
         self._head_steps = self._downstream_of_select()
-        # values no later step reads, by the step after which they die (freed as the chunk runs)
-        last = {name: i for i, st in enumerate(self.program) for name in st["inputs"]}
-        self._dead_after: dict[int, list[str]] = {}
-        for name, i in last.items():
-            if name != self.io["logits"]:
-                self._dead_after.setdefault(i, []).append(name)
+        self._step_index = {st["name"]: i for i, st in enumerate(self.program)}
         self._head = next((self.program[i]["name"] for i in sorted(self._head_steps) if self.program[i]["kind"] == "graph"), None)
+        # the compiled schedule: issue orders per chunk count, processor per step and phase
+        self._orders = (m.get("schedule") or {}).get("orders", {})
+        pl = m.get("placement") or {}
+        self._placement = {"prefill": pl.get("prefill", {}), "decode": pl.get("decode", {})}
+        self._uses: dict[str, int] = {}
+        for i, st in enumerate(self.program):
+            if i not in self._head_steps:
+                for v in st["inputs"]:
+                    self._uses[v] = self._uses.get(v, 0) + 1
+        self._head_inputs = {v for i in self._head_steps for v in self.program[i]["inputs"]}
         self._hot_pos: dict[str, np.ndarray] = {}
         for st in self.program:
             if st["kind"] == "op" and st["op"] == "ShadowOutliers":
@@ -204,12 +209,15 @@ class Session:
             sess = ort.InferenceSession(str(resolve_inside(self.bundle, inst["context"])), so)
         return sess, inst["io_prefix"]
 
-    def _session(self, graph: str, rows: int):
-        key = (graph, rows)
+    def _session(self, graph: str, rows: int, processor: str = "npu"):
+        """The session of a graph instance: on the QNN HTP when the provider is qnn, the graph
+        has QNN artifacts and the placement puts it on the NPU; else ONNX Runtime's CPU provider."""
+        on_npu = self.provider == "qnn" and processor == "npu" and graph in self.manifest["qnn"]["graphs"]
+        key = (graph, rows, on_npu)
         sess = self._sessions.get(key)
         if sess is not None:
             return sess
-        if self.provider == "qnn" and graph in self.manifest["qnn"]["graphs"]:
+        if on_npu:
             self._sessions[key] = self._qnn_session(graph, rows)
             return self._sessions[key]
         ort = self._ort
@@ -249,7 +257,8 @@ class Session:
         """Create every ONNX Runtime session now instead of on first use."""
         for name, g in self.graphs.items():
             for rows in g["instances"]:
-                self._session(name, int(rows))
+                phase = "decode" if int(rows) == 1 and name != self._head else "prefill"
+                self._session(name, int(rows), self._placement[phase].get(name, "npu"))
 
     # -- execution -----------------------------------------------------------
     def reset(self) -> None:
@@ -257,59 +266,120 @@ class Session:
             self.cache = kernels.KVCache(self._attn_layers, self.max_context)
         self.position = 0
 
+    def _feeds(self, ids: np.ndarray, start: int) -> dict[str, np.ndarray]:
+        return {
+            self.io["input_ids"]: ids.astype(np.int64, copy=False),
+            self.io["positions"]: np.arange(start, start + ids.shape[0], dtype=np.int64),
+        }
+
+    def _run_step(self, s: dict[str, Any], buf: dict[str, np.ndarray], start: int, n: int, logit_rows: np.ndarray | None, phase: str) -> None:
+        """Run program step ``s`` on the values in ``buf`` (a chunk at ``start`` with ``n`` real rows)."""
+        if s["kind"] == "graph":
+            r = buf[s["inputs"][0]].shape[0]
+            sess, prefix = self._session(s["name"], r, self._placement[phase].get(s["name"], "npu"))
+            feeds = {prefix + name: buf[name] for name in s["inputs"]}
+            if s["name"] in self._fed:  # budgeted bundle: resident weights are inputs
+                feeds.update(self._fed[s["name"]])
+            i = self._step_index[s["name"]]
+            if self.residency is not None and i in self.residency.streaming.by_step:
+                feeds.update(self.residency.streaming.acquire(i))
+                try:
+                    outs = sess.run([prefix + o for o in s["outputs"]], feeds)
+                finally:
+                    self.residency.streaming.release(i)
+            else:
+                outs = sess.run([prefix + o for o in s["outputs"]], feeds)
+            buf.update(zip(s["outputs"], outs))
+            return
+        op, a, ins = s["op"], s.get("attrs", {}), [buf[x] for x in s["inputs"]]
+        if op == "Embedding":
+            res = [kernels.embedding(ins[0], self._weights[s["weights"]["table"]], a["scale"])]
+        elif op == "RotaryTable":
+            res = list(kernels.rotary_table(ins[0], self._weights[s["weights"]["inv_freq"]], a["scaling"]))
+        elif op == "Attention":
+            cos, sin = (ins[3], ins[4]) if len(ins) == 5 else (None, None)
+            res = [kernels.attention(ins[0], ins[1], ins[2], cos, sin, cache=self.cache, start=start, n=n, **a)]
+        elif op == "ShadowOutliers":
+            res, count = kernels.shadow_outliers(ins[0], ins[1:], a["splits"], self._weights[s["weights"]["hot_rows"]],
+                                                 self._weights[s["weights"]["weight_t"]], self._hot_pos[s["name"]], a["lo"], a["hi"], n)
+            self.outlier_counts[s["name"]] += count
+        elif op == "SelectRows":
+            res = [self._select(ins[0], logit_rows)]
+        else:
+            raise BundleError(f"{self.bundle}: program step {s['name']} uses op {op!r}, which this runtime does not know",
+                              hint="the bundle was made by a newer llmc; upgrade the runtime")
+        buf.update(zip(s["outputs"], res))
+
     def _run_chunk(self, ids: np.ndarray, n: int, logit_rows: np.ndarray | None) -> np.ndarray | None:
-        """Run the program on ``ids`` (padded to an instance size) of which ``n`` are real."""
-        rows = ids.shape[0]
+        """Run the whole program on ``ids`` (padded to an instance size) of which ``n`` are real."""
         start = self.position
         if start + n > self.max_context:
             raise PromptTooLongError(f"sequence would reach {start + n} tokens; this bundle was compiled with --max-context {self.max_context}")
-        buf: dict[str, np.ndarray] = {
-            self.io["input_ids"]: ids.astype(np.int64, copy=False),
-            self.io["positions"]: np.arange(start, start + rows, dtype=np.int64),
-        }
+        buf = self._feeds(ids, start)
+        phase = "decode" if ids.shape[0] == 1 else "prefill"
         for i, s in enumerate(self.program):
-            for name in self._dead_after.get(i - 1, ()):
-                buf.pop(name, None)
             if logit_rows is None and i in self._head_steps:
                 continue
-            if s["kind"] == "graph":
-                r = buf[s["inputs"][0]].shape[0]
-                sess, prefix = self._session(s["name"], r)
-                feeds = {prefix + name: buf[name] for name in s["inputs"]}
-                if s["name"] in self._fed:
-                    feeds.update(self._fed[s["name"]])
-                if self.residency is not None and i in self.residency.streaming.by_step:
-                    feeds.update(self.residency.streaming.acquire(i))
-                    try:
-                        outs = sess.run([prefix + o for o in s["outputs"]], feeds)
-                    finally:
-                        self.residency.streaming.release(i)
-                else:
-                    outs = sess.run([prefix + o for o in s["outputs"]], feeds)
-                buf.update(zip(s["outputs"], outs))
-                continue
-            op, a, ins = s["op"], s.get("attrs", {}), [buf[x] for x in s["inputs"]]
-            if op == "Embedding":
-                res = [kernels.embedding(ins[0], self._weights[s["weights"]["table"]], a["scale"])]
-            elif op == "RotaryTable":
-                res = list(kernels.rotary_table(ins[0], self._weights[s["weights"]["inv_freq"]], a["scaling"]))
-            elif op == "Attention":
-                cos, sin = (ins[3], ins[4]) if len(ins) == 5 else (None, None)
-                res = [kernels.attention(ins[0], ins[1], ins[2], cos, sin, cache=self.cache, start=start, n=n, **a)]
-            elif op == "ShadowOutliers":
-                res, count = kernels.shadow_outliers(ins[0], ins[1:], a["splits"], self._weights[s["weights"]["hot_rows"]],
-                                                     self._weights[s["weights"]["weight_t"]], self._hot_pos[s["name"]], a["lo"], a["hi"], n)
-                self.outlier_counts[s["name"]] += count
-            elif op == "SelectRows":
-                res = [self._select(ins[0], logit_rows)]
-            else:
-                raise BundleError(f"{self.bundle}: program step {s['name']} uses op {op!r}, which this runtime does not know",
-                                  hint="the bundle was made by a newer llmc; upgrade the runtime")
-            buf.update(zip(s["outputs"], res))
+            self._run_step(s, buf, start, n, logit_rows, phase)
         self.position = start + n
         if logit_rows is None:
             return None
         return buf[self.io["logits"]][: len(logit_rows)]
+
+    def _order(self, k: int) -> list[tuple[int, int]]:
+        """The compiled issue order of (chunk, step) for a prefill of ``k`` chunks.
+
+        Bundles store one order per chunk count up to a limit; a longer prompt
+        follows the longest stored order for its first chunks and runs the rest
+        in order (any prefix of chunks of a valid order is valid).
+        """
+        orders = self._orders
+        body = [j for j in range(len(self.program)) if j not in self._head_steps]
+        if str(k) in orders:
+            return [(int(i), int(j)) for i, j in orders[str(k)]]
+        known = max((int(x) for x in orders), default=0)
+        head = [(int(i), int(j)) for i, j in orders[str(known)]] if known else []
+        return head + [(i, j) for i in range(known, k) for j in body]
+
+    def _prefill_scheduled(self, ids: np.ndarray, logits_for: list[np.ndarray | None]) -> list[np.ndarray | None]:
+        """Prefill ``ids`` in chunks, running (chunk, step) pairs in the compiled order.
+
+        ``logits_for[i]`` are the rows of chunk i that need logits (or None); the
+        head steps run for those chunks after the body. Values are dropped once
+        their last consumer in the chunk has run.
+        """
+        C = self.chunk
+        start0 = self.position
+        k = -(-len(ids) // C)
+        bufs, ns = [], []
+        for i in range(k):
+            part = ids[i * C : (i + 1) * C]
+            padded = np.zeros(C, np.int64)
+            padded[: len(part)] = part
+            bufs.append(self._feeds(padded, start0 + i * C))
+            ns.append(len(part))
+        keep = set(self._head_inputs)
+        left = [dict(self._uses) for _ in range(k)]
+        for i, j in self._order(k):
+            s = self.program[j]
+            buf = bufs[i]
+            self._run_step(s, buf, start0 + i * C, ns[i], None, "prefill")
+            uses = left[i]
+            for v in s["inputs"]:
+                uses[v] -= 1
+                if uses[v] == 0 and v not in keep:
+                    del buf[v]
+        out = []
+        for i in range(k):
+            rows = logits_for[i]
+            if rows is None:
+                out.append(None)
+                continue
+            for j in sorted(self._head_steps):
+                self._run_step(self.program[j], bufs[i], start0 + i * C, ns[i], rows, "prefill")
+            out.append(bufs[i][self.io["logits"]][: len(rows)])
+        self.position = start0 + len(ids)
+        return out
 
     def _steps(self, logits: bool) -> list[int]:
         """Program steps a chunk runs: all of them, or without the head when it needs no logits."""
@@ -347,25 +417,17 @@ class Session:
                 hint="shorten the prompt, or recompile with a larger --max-context",
             )
         C = self.chunk
-        if self.residency is not None:  # the steps the chunks will run, then decode's, for the prefetcher
-            chunks = range(0, len(ids), C)
-            order = [i for s in chunks for i in self._steps(all_logits or s + C >= len(ids))]
+        k = -(-len(ids) // C)
+        sizes = [min(C, len(ids) - i * C) for i in range(k)]
+        if all_logits:
+            rows = [np.arange(n) for n in sizes]
+        else:
+            rows = [None] * (k - 1) + [np.array([sizes[-1] - 1])]
+        if self.residency is not None:  # the order the steps will run in, then decode's, for the prefetcher
+            order = [j for _, j in self._order(k)] + [j for r in rows if r is not None for j in sorted(self._head_steps)]
             self.residency.streaming.schedule(order, then_repeat=self._steps(True))
-        collected = []
-        last = None
-        for s in range(0, len(ids), C):
-            part = ids[s : s + C]
-            n = len(part)
-            padded = np.zeros(C, np.int64)
-            padded[:n] = part
-            final = s + C >= len(ids)
-            rows = np.arange(n) if all_logits else (np.array([n - 1]) if final else None)
-            out = self._run_chunk(padded, n, rows)
-            if all_logits:
-                collected.append(out)
-            elif final:
-                last = out[0]
-        return np.concatenate(collected) if all_logits else last
+        out = self._prefill_scheduled(ids, rows)
+        return np.concatenate(out) if all_logits else out[-1][0]
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token through the decode instances; return its logits."""

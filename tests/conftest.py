@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as llmc.runtime does; see runtime/__init__.py
+# Tests never see a host profile measured on the developer's machine: compiles plan for 8gen3.
+import tempfile as _tempfile
+
+os.environ["LLMC_PROFILE_DIR"] = _tempfile.mkdtemp(prefix="llmc-test-profiles-")
 
 import importlib.util
 from pathlib import Path
@@ -34,6 +38,8 @@ def family_configs():
         "mistral": T.MistralConfig(**COMMON, sliding_window=12),
         "phi3": T.Phi3Config(**COMMON),
         "gemma": T.GemmaConfig(**{**COMMON, "head_dim": 24, "num_key_value_heads": 1}),
+        # parallel attention and MLP off one LayerNorm, biases everywhere, partial rotary (8 of 16)
+        "phi": T.PhiConfig(**{**COMMON, "num_key_value_heads": 4, "partial_rotary_factor": 0.5}),
     }
 
 

@@ -32,7 +32,7 @@ def test_layout_and_graph_sharing(bundles):
 
     d = bundles("llama")
     m = load_manifest(d)
-    assert {p.name for p in d.iterdir()} == {"manifest.json", "graphs", "weights", "tokenizer"}
+    assert {p.name for p in d.iterdir()} == {"manifest.json", "graphs", "weights", "tokenizer", "report.json"}
     assert list((d / "weights").iterdir()) == [d / "weights" / "weights.bin"]
     total = sum(w["nbytes"] for w in m["weights"].values())
     assert (d / "weights" / "weights.bin").stat().st_size < total + 64 * len(m["weights"])  # each weight once

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import CHUNK, hf_greedy, hf_logits
 
-FAMILIES = ["llama", "llama_tied_mha", "qwen2", "mistral", "phi3", "gemma"]
+FAMILIES = ["llama", "llama_tied_mha", "qwen2", "mistral", "phi3", "gemma", "phi"]
 LENGTHS = [3, CHUNK, 3 * CHUNK + 5]
 
 

@@ -363,3 +363,23 @@ def test_smollm2_peak_rss_under_budget(smol_bundles, tmp_path, monkeypatch):
     assert r["read"] > 0
     assert r["peak_rss_mb"] <= limit_mb, r
     print(f"SmolLM2 budgeted: peak RSS {r['peak_rss_mb']:.0f} MiB, overhead {r['peak_rss_mb'] - limit_mb + SMOL_OVERHEAD_MB:.0f} MiB")
+
+
+def test_plan_offload_bundle_runs_like_the_unbudgeted_one(pairs, tmp_path, model_dirs, calib_words):
+    """The compiler's own plan (plan_offload under --memory-budget) end to end: compile, honour, same tokens."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    plain, _ = pairs("llama", "npu", _matrices)
+    out = tmp_path / "budget"
+    compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget="80%",
+                  calib_file=str(calib_words), **NPU_KW)
+    off = json.loads((out / "manifest.json").read_text())["offload"]
+    assert off["streamed"] and off["resident_bytes"] + off["buffer_bytes"] <= off["budget_bytes"]
+    _, ref_logits, ref_toks = _run(plain, True)
+    for prefetch in (True, False):
+        s, logits, toks = _run(out, prefetch)
+        st = s.residency.streaming.stats
+        s.close()
+        assert np.array_equal(logits, ref_logits) and toks == ref_toks
+        assert 0 < st.peak_buffer_bytes <= off["buffer_bytes"]

@@ -126,6 +126,7 @@ def test_instruments_dump_and_time(lifted, tmp_path):
     run_pipeline(g, parse_pipeline(DEFAULT_PIPELINES["cpu"], REGISTRY), PassContext(CompileOptions(chunk=8, max_context=64)), [timing, dump])
     assert [r[0] for r in timing.rows] == DEFAULT_PIPELINES["cpu"].split(",")
     files = sorted(p.name for p in (tmp_path / "ir").iterdir())
-    assert files == ["00-input.ir", "01-dce.ir", "02-select_logit_rows.ir", "03-chunk_static_graphs.ir"]
+    assert files == ["00-input.ir", "01-dce.ir", "02-select_logit_rows.ir", "03-chunk_static_graphs.ir", "04-place.ir", "05-schedule.ir",
+                     "06-plan_offload.ir"]
     assert "SelectRows" in (tmp_path / "ir" / "02-select_logit_rows.ir").read_text()
     assert "SelectRows" not in (tmp_path / "ir" / "01-dce.ir").read_text()

@@ -19,7 +19,7 @@ def qnn_bundle(tmp_path_factory, model_dirs, calib_words):
 
     out = tmp_path_factory.mktemp("qnn") / "b"
     s = compile_model(str(model_dirs("llama")), out, target="npu", soc="8gen3", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=512,
-                      calib_file=str(calib_words))
+                      calib_file=str(calib_words), placement="npu")
     assert "QNN HTP v75 for 8gen3" in s.qnn
     return out
 
@@ -58,9 +58,16 @@ def test_every_op_on_htp(qnn_bundle):
     """Each fully quantized graph loads with CPU fallback disabled (the session fails otherwise)."""
     from llmc.runtime import Session
 
-    s = Session(qnn_bundle, provider="qnn")  # creates every session up front
+    s = Session(qnn_bundle, provider="qnn")  # creates every session up front, where the placement puts it
     assert s.provider == "qnn"
-    assert all(prefix for sess, prefix in s._sessions.values())
+    placement = s.manifest["placement"]
+    for (graph, rows, on_npu), (sess, prefix) in s._sessions.items():
+        phase = "decode" if rows == 1 and graph != "head" else "prefill"
+        assert on_npu == (placement[phase][graph] == "npu") and bool(prefix) == on_npu
+    assert any(on_npu for _, _, on_npu in s._sessions)
+    for graph, instances in s.manifest["qnn"]["graphs"].items():  # every QNN instance, whatever the placement
+        for rows in instances:
+            assert s._session(graph, int(rows), "npu")[1]
 
 
 def test_qnn_matches_cpu_provider(qnn_bundle):
@@ -121,7 +128,7 @@ def test_other_families_on_htp(family, model_dirs, tmp_path, calib_words):
 
     out = tmp_path / family
     compile_model(str(model_dirs(family)), out, target="npu", soc="8gen2", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=512,
-                  calib_file=str(calib_words))
+                  calib_file=str(calib_words), placement="npu")
     q, c = Session(out, provider="qnn"), Session(out, provider="cpu")
     ids = [int(t) for t in np.random.default_rng(4).integers(4, 100, size=CHUNK)]
     q.reset(), c.reset()
@@ -137,7 +144,7 @@ def test_contexts_shard_by_layers(model_dirs, tmp_path, calib_words):
 
     out = tmp_path / "sharded"
     compile_model(str(model_dirs("llama")), out, target="npu", soc="8elite", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=256,
-                  calib_file=str(calib_words), qnn_shard_bytes=40_000)
+                  calib_file=str(calib_words), qnn_shard_bytes=40_000, placement="npu")
     m = load_manifest(out)
     q = m["qnn"]
     assert q["htp_arch"] == "v79" and len(q["binaries"]) > 1

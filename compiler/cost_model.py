@@ -1,0 +1,141 @@
+"""The cost model: predicted seconds of every program step on every processor.
+
+All predictions come from a :class:`~llmc.device_profile.DeviceProfile` and the
+work each IR node does; nothing is fitted to end-to-end runs. Formulas (R rows
+in the step, S keys attended, F features, N outputs, ``rate`` and ``bw`` from the
+profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
+
+* ``Linear`` ``[R, K] x [K, N]``:
+  CPU ``max(2RKN / cpu.fp32_flops_per_s, 4KN / cpu.mem_bytes_per_s)``;
+  NPU float (never chosen in practice) ``2RKN / npu.fp16_ops_per_s``.
+* ``QLinear`` (int8 weights):
+  NPU ``max(2RKN / npu.int8_ops_per_s, KN / npu.weight_bytes_per_s)``;
+  CPU ``max(2RKN / cpu.int8_ops_per_s, KN / cpu.mem_bytes_per_s)``.
+  A ``Linear`` placed on the NPU of a target that quantizes is costed as QLinear.
+* element-wise and norms: bytes moved (inputs + output, 4 bytes per value on
+  the CPU, 2 on the NPU's 16-bit activations) / ``mem_bytes_per_s``.
+* ``Attention`` (CPU) of n new rows over S keys, H heads of D:
+  ``max(4nSHD / cpu.attention_flops_per_s, 8S·kvH·D / cpu.mem_bytes_per_s)``.
+* ``ShadowOutliers`` (CPU) for N outputs of the Linears reading x: a scan of
+  ``x`` (``8nF`` bytes), the correction ``max(2nUN / cpu.fp32_flops_per_s,
+  4UN / cpu.mem_bytes_per_s)`` over the U channels expected to hold an outlier
+  among n rows (``U = Σ_c 1 - (1 - p_c)^n`` from the calibration's per-channel
+  outlier rates p_c; without calibration llm.npu's 0.3% of channels), and the
+  copy of the results (``8nN`` bytes).
+* Embedding, rotary tables, row selection: bytes moved / ``cpu.mem_bytes_per_s``.
+* Every graph step adds its processor's ``launch_s``, every dynamic op step
+  ``cpu.op_launch_s`` (default ``cpu.launch_s``); a hand-off between CPU and NPU
+  adds ``sync_s`` (the ``place`` and ``schedule`` passes charge it).
+* Weight I/O for streamed weights: ``bytes / storage.read_bytes_per_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llmc.analyses import ChunkPlan, ShadowPlan, Step
+from llmc.device_profile import DeviceProfile
+from llmc.ir import Graph, Node
+
+# llm.npu: outliers sit in 5-15 channels per layer, 0.1-0.3% of them (REFERENCES.md).
+ASSUMED_OUTLIER_CHANNEL_FRACTION = 0.003
+ELEMENTWISE = ("RMSNorm", "LayerNorm", "Act", "Add", "Mul", "Scale", "Slice")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Seconds of nodes and steps of ``graph`` under ``profile``.
+
+    ``quantized``: the target runs Linears as int8 on the NPU (``npu``); float
+    ``Linear`` nodes on the NPU are then costed as ``QLinear``.
+    """
+
+    graph: Graph
+    plan: ChunkPlan
+    profile: DeviceProfile
+    shadow: ShadowPlan | None = None
+    quantized: bool = False
+
+    # -- nodes -----------------------------------------------------------------
+    def node_seconds(self, node: Node, rows: int, n: int, keys: int, proc: str) -> float:
+        """``node`` at ``rows`` rows (``n`` of them real) attending ``keys`` keys, on ``proc``."""
+        p = self.profile
+        op = node.op
+        if op in ("Linear", "QLinear"):
+            ref = node.weights["weight" if op == "Linear" else "qweight"]
+            k, nout = (ref.shape[1], ref.shape[0]) if op == "Linear" else ref.shape
+            ops = 2.0 * rows * k * nout
+            if proc == "npu":
+                if op == "QLinear" or self.quantized:
+                    return max(ops / p["npu.int8_ops_per_s"], k * nout / p["npu.weight_bytes_per_s"])
+                return ops / p["npu.fp16_ops_per_s"]
+            if op == "QLinear":
+                return max(ops / p["cpu.int8_ops_per_s"], k * nout / p["cpu.mem_bytes_per_s"])
+            return max(ops / p["cpu.fp32_flops_per_s"], 4.0 * k * nout / p["cpu.mem_bytes_per_s"])
+        if op in ELEMENTWISE:
+            elems = sum(_features(v.shape) for v in node.inputs) + sum(_features(v.shape) for v in node.outputs)
+            width = 2.0 if proc == "npu" else 4.0
+            return rows * elems * width / p[f"{proc}.mem_bytes_per_s"]
+        if proc != "cpu":
+            raise ValueError(f"{op} runs on the CPU only")
+        bw = p["cpu.mem_bytes_per_s"]
+        a = node.attrs
+        if op == "Attention":
+            h, kvh, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+            s = min(keys, a["sliding_window"] + n - 1) if a["sliding_window"] else keys
+            return max(4.0 * n * s * h * d / p["cpu.attention_flops_per_s"], 8.0 * s * kvh * d / bw)
+        if op == "ShadowOutliers":
+            x = node.inputs[0]
+            f = _features(x.shape)
+            nout = sum(a["splits"])
+            u = self.outlier_channels(x.name, f, n)
+            corr = max(2.0 * n * u * nout / p["cpu.fp32_flops_per_s"], 4.0 * u * nout / bw)
+            return 8.0 * n * f / bw + corr + 8.0 * rows * nout / bw
+        if op == "Embedding":
+            return 8.0 * rows * _features(node.outputs[0].shape) / bw
+        if op == "RotaryTable":
+            return 4.0 * rows * sum(_features(v.shape) for v in node.outputs) / bw
+        if op == "SelectRows":
+            return 8.0 * rows * _features(node.inputs[0].shape) / bw
+        raise ValueError(f"the cost model has no formula for op {op}")
+
+    def outlier_channels(self, value: str, features: int, n: int) -> float:
+        """Expected number of input channels with at least one outlier among ``n`` rows."""
+        q = self.shadow.inputs.get(value) if self.shadow is not None else None
+        if q is not None and q.channel_rates:
+            return float(sum(1.0 - (1.0 - min(r, 1.0)) ** n for r in q.channel_rates))
+        return ASSUMED_OUTLIER_CHANNEL_FRACTION * features
+
+    # -- steps -----------------------------------------------------------------
+    def can_run(self, step: Step, proc: str) -> bool:
+        if proc == "cpu":
+            return True
+        return proc == "npu" and self.profile.has_npu and step.kind == "graph"
+
+    def step_seconds(self, step: Step, rows: int, n: int, keys: int, proc: str) -> float:
+        """One step: its nodes plus the processor's launch cost."""
+        if step.kind == "graph":
+            nodes = self.plan.subgraph(step.name).nodes
+            t = self.profile[f"{proc}.launch_s"]
+        else:
+            nodes = (step.name,)
+            t = self.profile.get("cpu.op_launch_s") or self.profile["cpu.launch_s"]
+        for name in nodes:
+            t += self.node_seconds(self.graph.node(name), rows, n, keys, proc)
+        return t
+
+    def weight_bytes(self, step: Step) -> int:
+        """Bytes of the weights a step reads (whole tensors; tables read by row count their rows)."""
+        if step.kind == "graph":
+            return sum(self.graph.weights[w].nbytes for w in self.plan.subgraph(step.name).weights)
+        return 0
+
+    def io_seconds(self, nbytes: float) -> float:
+        return nbytes / self.profile["storage.read_bytes_per_s"]
+
+
+def _features(shape: tuple[int, ...]) -> int:
+    f = 1
+    for d in shape[1:]:
+        f *= int(d)
+    return f

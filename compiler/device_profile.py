@@ -1,0 +1,131 @@
+"""Device profiles: the numbers the cost model reads, each with its source.
+
+A profile is a JSON file (``compiler/profiles/<name>.json`` ships Snapdragon
+8 Gen 2, 8 Gen 3 and 8 Elite)::
+
+    {"schema": 1, "name": "8gen3", "description": "...",
+     "numbers": {"npu.weight_bytes_per_s": {"value": 11.2e9, "source": "..."}, ...}}
+
+Every number carries the publication or measurement it comes from. The
+``host`` profile is measured on the current machine by ``llmc profile-host``
+and stored in the user's cache (``$LLMC_PROFILE_DIR`` or
+``~/.cache/llmc/profiles``); a profile may also be given as a path to a file.
+
+Keys (SI units: seconds, bytes, operations):
+
+* ``cpu.*``: ``int8_ops_per_s``, ``fp32_flops_per_s`` (GEMM at chunk shape),
+  ``attention_flops_per_s``, ``mem_bytes_per_s`` (streaming weights/activations),
+  ``launch_s`` (fixed cost of one graph call) — required; ``op_launch_s``
+  (fixed cost of a dynamic op such as attention; default ``launch_s``);
+* ``npu.*``: ``int8_ops_per_s`` (compute ceiling), ``weight_bytes_per_s`` (rate its
+  matmuls stream int8 weights), ``fp16_ops_per_s``, ``mem_bytes_per_s``,
+  ``launch_s`` — all or none (a profile without them has no NPU);
+* ``sync_s``: one CPU<->NPU hand-off (required with an NPU);
+* ``memory.ram_bytes``, ``memory.npu_addressable_bytes``, ``storage.read_bytes_per_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from llmc.errors import LlmcError
+
+SCHEMA = 1
+PROFILE_DIR = Path(__file__).parent / "profiles"
+CPU_KEYS = ("cpu.int8_ops_per_s", "cpu.fp32_flops_per_s", "cpu.attention_flops_per_s", "cpu.mem_bytes_per_s", "cpu.launch_s")
+NPU_KEYS = ("npu.int8_ops_per_s", "npu.weight_bytes_per_s", "npu.fp16_ops_per_s", "npu.mem_bytes_per_s", "npu.launch_s")
+OTHER_KEYS = ("memory.ram_bytes", "storage.read_bytes_per_s")
+OPTIONAL_KEYS = ("sync_s", "memory.npu_addressable_bytes", "cpu.op_launch_s")
+
+
+class ProfileError(LlmcError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    description: str
+    values: dict[str, float]
+    sources: dict[str, str]
+    path: str
+
+    @property
+    def has_npu(self) -> bool:
+        return "npu.weight_bytes_per_s" in self.values
+
+    def __getitem__(self, key: str) -> float:
+        try:
+            return self.values[key]
+        except KeyError:
+            raise ProfileError(f"device profile {self.name!r} has no number {key!r}", hint=f"add it to {self.path}") from None
+
+    def get(self, key: str, default: float | None = None) -> float | None:
+        return self.values.get(key, default)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "name": self.name, "description": self.description,
+                "numbers": {k: {"value": self.values[k], "source": self.sources[k]} for k in sorted(self.values)}}
+
+
+def user_profile_dir() -> Path:
+    return Path(os.environ.get("LLMC_PROFILE_DIR") or Path.home() / ".cache" / "llmc" / "profiles")
+
+
+def available() -> list[str]:
+    """Names of the shipped profiles, plus ``host`` when it has been measured."""
+    names = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+    if (user_profile_dir() / "host.json").exists():
+        names.append("host")
+    return names
+
+
+def parse(data: Any, where: str) -> DeviceProfile:
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("numbers"), dict):
+        raise ProfileError(f"{where} is not a device profile of schema {SCHEMA}", hint="see llmc/device_profile.py for the format")
+    values, sources = {}, {}
+    for key, entry in data["numbers"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("value"), (int, float)) or not isinstance(entry.get("source"), str) or not entry["source"].strip():
+            raise ProfileError(f"{where}: number {key!r} needs a numeric \"value\" and a non-empty \"source\"")
+        if entry["value"] <= 0:
+            raise ProfileError(f"{where}: number {key!r} must be positive, is {entry['value']}")
+        values[key] = float(entry["value"])
+        sources[key] = entry["source"]
+    missing = [k for k in CPU_KEYS + OTHER_KEYS if k not in values]
+    npu = [k for k in NPU_KEYS if k in values]
+    if npu and len(npu) != len(NPU_KEYS):
+        missing += [k for k in NPU_KEYS if k not in values]
+    if npu and "sync_s" not in values:
+        missing.append("sync_s")
+    if missing:
+        raise ProfileError(f"{where} lacks {', '.join(missing)}", hint="every profile needs the cpu.*, memory.ram_bytes and storage.read_bytes_per_s numbers; an NPU needs all npu.* and sync_s")
+    return DeviceProfile(str(data.get("name") or Path(where).stem), str(data.get("description", "")), values, sources, where)
+
+
+def load(name_or_path: str) -> DeviceProfile:
+    """A shipped profile by name, ``host`` (measured), or a profile file by path."""
+    p = Path(name_or_path)
+    if name_or_path == "host":
+        p = user_profile_dir() / "host.json"
+        if not p.exists():
+            raise ProfileError("the host profile has not been measured on this machine", hint="run `llmc profile-host` first (about a minute)")
+    elif not (p.suffix == ".json" and p.exists()):
+        p = PROFILE_DIR / f"{name_or_path}.json"
+        if not p.exists():
+            raise ProfileError(f"unknown device profile {name_or_path!r}", hint="choose one of: " + ", ".join(available() + ["host"]) + ", or give a path to a profile .json")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ProfileError(f"cannot read device profile {p}: {e}") from None
+    return parse(data, str(p))
+
+
+def save(profile: DeviceProfile, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(profile.as_json(), indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)

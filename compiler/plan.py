@@ -1,0 +1,177 @@
+"""``llmc plan``: predict a model's speed and memory on a device from its config alone.
+
+The model is built on PyTorch's meta device (shapes, no storage), traced and
+lifted like a compile, and run through the planning pipeline (``plan-npu``:
+the npu target's quantized program shape with an assumed shadow plan, then
+``place``, ``schedule`` and ``plan_offload``). Nothing is downloaded and no
+weight is read, so a 7B model plans in seconds on a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from llmc.analyses import ChunkPlan, OffloadPlan, Placement, Schedule
+from llmc.errors import ModelLoadError
+from llmc.pass_manager import CompileOptions, ModelInputs, PassContext, format_pipeline, parse_pipeline, run_pipeline
+
+log = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).parent / "model_configs"
+
+
+def known_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load_config(source: str):
+    """A transformers config from a shipped config name, a bundled model, a config.json or a model directory."""
+    import transformers
+
+    from llmc import model_source
+
+    transformers.utils.logging.disable_progress_bar()
+    p = Path(source).expanduser()
+    try:
+        if (CONFIG_DIR / f"{source}.json").is_file():
+            data = json.loads((CONFIG_DIR / f"{source}.json").read_text())
+            return _from_dict(data), f"config {source} (shipped: {data.get('_llmc_source', '')})"
+        if source in model_source.BUNDLED:
+            path = model_source.bundled_model_path(source)
+            return transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True), f"bundled {source}"
+        if p.suffix == ".json" and p.is_file():
+            return _from_dict(json.loads(p.read_text())), f"config file {p}"
+        if p.suffix == ".gguf" and p.is_file():
+            return transformers.AutoConfig.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True), f"GGUF file {p}"
+        if p.is_dir() and (p / "config.json").is_file():
+            return transformers.AutoConfig.from_pretrained(p, local_files_only=True), f"model directory {p}"
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the config of {source}: {e}") from e
+    raise ModelLoadError(f"no model config found for {source!r}",
+                         hint="pass a config.json, a model directory, a .gguf file, smollm2-135m, or one of: " + ", ".join(known_configs()))
+
+
+def _from_dict(data: dict[str, Any]):
+    import transformers
+
+    data = {k: v for k, v in data.items() if not k.startswith("_llmc")}
+    mt = data.get("model_type")
+    if not mt:
+        raise ModelLoadError("the config has no model_type")
+    return transformers.AutoConfig.for_model(**data)
+
+
+def meta_model(config):
+    """The model of ``config`` with meta tensors: every shape, no storage."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+@dataclasses.dataclass
+class PlanResult:
+    model: str
+    description: str
+    profile: str
+    target: str
+    chunk: int
+    prompt_len: int
+    pipeline: str
+    placement: Placement
+    schedule: Schedule
+    offload: OffloadPlan | None
+    weight_bytes: int  # what the deployed program reads: int8 matrices, vectors, tables
+    kv_cache_bytes: int  # float32 K and V for the prompt
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_len / self.schedule.prefill_s
+
+    @property
+    def decode_tok_s(self) -> float:
+        t = self.offload.predicted_decode_s if self.offload else self.schedule.decode_s
+        return 1.0 / t
+
+    def as_dict(self) -> dict[str, Any]:
+        s = self.schedule
+        pl = self.placement
+        d: dict[str, Any] = {
+            "model": self.model, "source": self.description, "profile": self.profile, "target": self.target, "chunk": self.chunk,
+            "prompt_len": self.prompt_len, "pipeline": self.pipeline,
+            "prefill": {
+                "latency_s": s.prefill_s, "tok_s": self.prefill_tok_s,
+                "in_order_s": s.in_order.makespan_s + s.head_s, "out_of_order_s": s.out_of_order.makespan_s + s.head_s,
+                "npu_bubble_rate_in_order": s.in_order.npu_bubble_rate, "npu_bubble_rate_out_of_order": s.out_of_order.npu_bubble_rate,
+                "npu_busy_s": s.chosen.npu_busy_s, "cpu_busy_s": s.chosen.cpu_busy_s, "policy": s.chosen.policy,
+            },
+            "decode": {"s_per_token": 1.0 / self.decode_tok_s, "tok_s": self.decode_tok_s},
+            "placement": {ph: {"npu": sum(1 for p in getattr(pl, ph).values() if p == "npu"), "cpu": sum(1 for p in getattr(pl, ph).values() if p == "cpu")}
+                          for ph in ("prefill", "decode")},
+            "memory": {"weight_bytes": self.weight_bytes, "kv_cache_bytes": self.kv_cache_bytes},
+        }
+        if self.offload is not None:
+            o = self.offload
+            d["offload"] = {"budget_bytes": o.budget_bytes, "resident_bytes": o.resident_bytes, "streamed_bytes_per_token": o.streamed_bytes,
+                            "buffer_bytes": o.buffer_bytes, "prefetch_depth": o.prefetch_depth,
+                            "decode_tok_s_prefetch": 1.0 / o.predicted_decode_s, "decode_tok_s_no_prefetch": 1.0 / o.predicted_decode_no_prefetch_s}
+        return d
+
+
+def planned_program(source: str, options: CompileOptions, pipeline: str | None = None):
+    """Build ``source`` on the meta device, lift it and run the planning pipeline.
+
+    Returns ``(graph, ctx, description, pipeline)``; the analyses (ChunkPlan,
+    Placement, Schedule, OffloadPlan) are in ``ctx``.
+    """
+    from llmc import lift as lift_mod
+    from llmc import model_source
+    from llmc.device_profile import load as load_profile
+    from llmc.passes import DEFAULT_PIPELINES, REGISTRY
+
+    load_profile(options.profile)  # fail before the slow part
+    passes = parse_pipeline(pipeline or DEFAULT_PIPELINES[f"plan-{options.target}"], REGISTRY)
+    config, description = load_config(source)
+    model_source.check_config(config, source)
+    model = meta_model(config)
+    ep = lift_mod.trace(model, options.chunk)
+    graph = lift_mod.lift(ep, model, name=type(model).__name__)
+    del ep
+    ctx = PassContext(options, ModelInputs(None, f"plan:{source}"))
+    run_pipeline(graph, passes, ctx)
+    return graph, ctx, description, format_pipeline(passes)
+
+
+def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu", chunk: int = 256, max_context: int | None = None,
+               memory_budget: str | None = None, prefetch_depth: int = 2, pipeline: str | None = None,
+               shadow: bool = True, shadow_keep: float = 1.0) -> PlanResult:
+    from llmc.errors import CompileError
+
+    if prompt_len < 1:
+        raise CompileError(f"--prompt-len must be at least 1, is {prompt_len}")
+    if target not in ("npu", "cpu"):
+        raise CompileError(f"llmc plan supports --target npu or cpu, not {target!r}")
+    max_context = max_context or chunk * math.ceil(prompt_len / chunk)
+    if prompt_len > max_context:
+        raise CompileError(f"--prompt-len {prompt_len} exceeds --max-context {max_context}")
+    options = CompileOptions(target=target, chunk=chunk, max_context=max_context, profile=profile, prompt_len=prompt_len,
+                             memory_budget=memory_budget, prefetch_depth=prefetch_depth, shadow=shadow, shadow_keep=shadow_keep)
+    graph, ctx, description, pipeline_text = planned_program(source, options, pipeline)
+    plan = ctx.get(ChunkPlan)
+    used: set[str] = set()
+    for s in plan.subgraphs:
+        used.update(s.weights)
+    for st in plan.steps:
+        if st.kind == "op":
+            used.update(r.name for r in graph.node(st.name).weights.values() if not r.name.endswith(".weight_t"))
+    weight_bytes = sum(graph.weights[w].nbytes for w in used)
+    kv = sum(2 * prompt_len * n.attrs["num_kv_heads"] * n.attrs["head_dim"] * 4 for n in graph.find("Attention"))
+    return PlanResult(source, description, profile, target, chunk, prompt_len, pipeline_text,
+                      ctx.get(Placement), ctx.get(Schedule), ctx.get(OffloadPlan) if ctx.has(OffloadPlan) else None, weight_bytes, kv)

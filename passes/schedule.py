@@ -1,0 +1,200 @@
+"""schedule: order prefill subgraphs across chunks, out of order (llm.npu).
+
+A prompt of k chunks is a DAG of tasks (chunk i, step j) held in networkx:
+within a chunk a step depends on the steps producing its inputs, and the
+attention of layer l in chunk i depends on the attention of layer l in chunk
+i-1 (it appends to and reads the KV cache). Each processor runs one task at a
+time; a task placed on a different processor than its producer starts
+``sync_s`` after it.
+
+Two timelines are simulated with the cost model:
+
+* ``in-order``: chunk after chunk, step after step, one task at a time — what a
+  runtime without a schedule does;
+* ``out-of-order``: list scheduling; whenever a processor is free it takes the
+  ready task with the best llm.npu score: on the CPU, the largest total time of
+  NPU tasks its completion unblocks (``+ΣT``); on the NPU the smallest total
+  time it unblocks (``-ΣT``); ties go to the earlier chunk, then the earlier step.
+
+The reported order is the out-of-order one unless it is slower. Orders are kept
+for every chunk count up to ``max_context / C`` (``Schedule.orders``), so the
+runtime follows the one that fits the prompt. The LM head steps (after
+``SelectRows``) run once, after the last chunk, and are not part of the orders.
+
+Produces :class:`llmc.analyses.Schedule`; the IR is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from llmc.analyses import ChunkPlan, Placement, Schedule, Task, Timeline
+from llmc.cost_model import CostModel
+from llmc.ir import Graph
+from llmc.pass_manager import Pass, PassContext, PassResult
+from llmc.passes.place import cost_model, prompt_len
+
+log = logging.getLogger(__name__)
+
+MAX_STORED_ORDERS = 16  # chunk counts with an order of their own in the bundle; larger prompts reuse the last
+
+
+def head_steps(graph: Graph, plan: ChunkPlan) -> set[int]:
+    """Indices of the steps downstream of row selection (the LM head on selected rows)."""
+    tainted: set[str] = set()
+    out: set[int] = set()
+    for i, s in enumerate(plan.steps):
+        if (s.kind == "op" and graph.node(s.name).op == "SelectRows") or tainted.intersection(s.inputs):
+            out.add(i)
+            tainted.update(s.outputs)
+    return out
+
+
+class _Problem:
+    """The task DAG of a k-chunk prefill and every task's processor and predicted seconds."""
+
+    def __init__(self, graph: Graph, cm: CostModel, placement: Placement, k: int, tokens: int) -> None:
+        import networkx as nx
+
+        plan = cm.plan
+        c = plan.chunk
+        heads = head_steps(graph, plan)
+        self.steps = [j for j in range(len(plan.steps)) if j not in heads]
+        producer = {}
+        for j in self.steps:
+            for v in plan.steps[j].outputs:
+                producer[v] = j
+        attention = [j for j in self.steps if plan.steps[j].kind == "op" and graph.node(plan.steps[j].name).op == "Attention"]
+        dag = nx.DiGraph()
+        static_cost: dict[int, float] = {}
+        for i in range(k):
+            n = min(c, tokens - i * c)
+            for j in self.steps:
+                step = plan.steps[j]
+                proc = placement.prefill[step.name]
+                if j in attention or (step.kind == "op" and graph.node(step.name).op == "ShadowOutliers") or n < c:
+                    cost = cm.step_seconds(step, c, n, i * c + n, proc)
+                else:
+                    if j not in static_cost:
+                        static_cost[j] = cm.step_seconds(step, c, c, c, proc)
+                    cost = static_cost[j]
+                dag.add_node((i, j), proc=proc, cost=cost)
+                for v in step.inputs:
+                    if v in producer:
+                        dag.add_edge((i, producer[v]), (i, j))
+            if i:
+                for j in attention:
+                    dag.add_edge((i - 1, j), (i, j))
+        self.dag = dag
+        self.sync = placement.sync_s
+
+    def in_order(self) -> Timeline:
+        tasks = []
+        t = 0.0
+        prev = None
+        for node in sorted(self.dag.nodes):
+            d = self.dag.nodes[node]
+            if prev is not None and prev != d["proc"]:
+                t += self.sync
+            tasks.append(Task(node[0], node[1], d["proc"], t, t + d["cost"]))
+            t += d["cost"]
+            prev = d["proc"]
+        return _timeline("in-order", tasks)
+
+    def out_of_order(self) -> Timeline:
+        dag = self.dag
+        left = {v: dag.in_degree(v) for v in dag.nodes}
+        frontier = {v for v, d in left.items() if d == 0}
+        end: dict[tuple[int, int], float] = {}
+        free = {"npu": 0.0, "cpu": 0.0}
+        tasks = []
+
+        def ready(v) -> float:
+            p = dag.nodes[v]["proc"]
+            return max((end[u] + (self.sync if dag.nodes[u]["proc"] != p else 0.0) for u in dag.predecessors(v)), default=0.0)
+
+        def score(v) -> float:
+            p = dag.nodes[v]["proc"]
+            unblocked = [s for s in dag.successors(v) if left[s] == 1]
+            if p == "cpu":
+                return sum(dag.nodes[s]["cost"] for s in unblocked if dag.nodes[s]["proc"] == "npu")
+            return -sum(dag.nodes[s]["cost"] for s in unblocked)
+
+        while frontier:
+            best = None
+            for p in ("npu", "cpu"):
+                cands = [(ready(v), v) for v in frontier if dag.nodes[v]["proc"] == p]
+                if not cands:
+                    continue
+                t0 = max(free[p], min(r for r, _ in cands))
+                avail = [v for r, v in cands if r <= t0]
+                v = min(avail, key=lambda v: (-score(v), v))
+                if best is None or t0 < best[0]:
+                    best = (t0, p, v)
+            t0, p, v = best
+            e = t0 + dag.nodes[v]["cost"]
+            tasks.append(Task(v[0], v[1], p, t0, e))
+            end[v] = e
+            free[p] = e
+            frontier.discard(v)
+            for s in dag.successors(v):
+                left[s] -= 1
+                if left[s] == 0:
+                    frontier.add(s)
+        return _timeline("out-of-order", tasks)
+
+
+def _timeline(policy: str, tasks: list[Task]) -> Timeline:
+    tasks = sorted(tasks, key=lambda t: (t.start, t.chunk, t.step))
+    busy = {"npu": 0.0, "cpu": 0.0}
+    for t in tasks:
+        busy[t.processor] += t.end - t.start
+    return Timeline(policy, tuple(tasks), max((t.end for t in tasks), default=0.0), busy["npu"], busy["cpu"])
+
+
+class ScheduleSteps(Pass):
+    name = "schedule"
+    summary = "out-of-order prefill order across chunks (llm.npu greedy rule); simulated timelines, bubble rate, predicted latency"
+    requires = (ChunkPlan, Placement)
+    produces = (Schedule,)
+
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        cm = cost_model(graph, ctx)
+        placement = ctx.get(Placement)
+        plan = cm.plan
+        c = plan.chunk
+        tokens = prompt_len(ctx)
+        k_prompt = math.ceil(tokens / c)
+        k_max = math.ceil(plan.max_context / c)
+        orders = {}
+        report = None
+        for k in sorted({*range(1, min(k_max, MAX_STORED_ORDERS) + 1), k_prompt}):
+            prob = _Problem(graph, cm, placement, k, tokens if k == k_prompt else k * c)
+            ino, ooo = prob.in_order(), prob.out_of_order()
+            best = ooo if ooo.makespan_s <= ino.makespan_s else ino
+            if k <= MAX_STORED_ORDERS:
+                orders[k] = best.order
+            if k == k_prompt:
+                report = (ino, ooo)
+        heads = sorted(head_steps(graph, plan))
+        head_s = _chain_seconds(cm, placement, [plan.steps[j] for j in heads], "prefill", tokens)
+        decode_s = _chain_seconds(cm, placement, list(plan.steps), "decode", tokens)
+        ino, ooo = report
+        log.info("schedule (%s, %d tokens): in-order %.1f ms (NPU bubbles %.0f%%), out-of-order %.1f ms (%.0f%%); decode %.2f ms/token",
+                 cm.profile.name, tokens, ino.makespan_s * 1e3, ino.npu_bubble_rate * 100, ooo.makespan_s * 1e3, ooo.npu_bubble_rate * 100, decode_s * 1e3)
+        ctx.put(Schedule(tokens, orders, ino, ooo, decode_s, head_s))
+        return PassResult(False)
+
+
+def _chain_seconds(cm: CostModel, placement: Placement, steps, phase: str, keys: int) -> float:
+    """Steps run one after another at one row (decode, or the head on the last token)."""
+    t = 0.0
+    prev = None
+    for s in steps:
+        p = placement.processor(s.name, phase)
+        if prev is not None and p != prev:
+            t += placement.sync_s
+        t += cm.step_seconds(s, 1, 1, keys, p)
+        prev = p
+    return t

@@ -1,0 +1,71 @@
+"""plan_offload: FlexInfer's balanced locking and attention-first preservation under a budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_cost_model import SMALL
+
+
+def _plan(tmp_path, budget, **kw):
+    from llmc.pass_manager import CompileOptions
+    from llmc.plan import planned_program
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMALL))
+    return planned_program(str(cfg), CompileOptions(target="npu", chunk=256, max_context=1024, profile="8gen3", prompt_len=1000,
+                                                    memory_budget=budget, **kw))
+
+
+def test_half_budget_is_balanced_and_attention_first(tmp_path):
+    from llmc.analyses import OffloadPlan
+    from llmc.passes.plan_offload import layer_of, preservation_rank
+
+    graph, ctx, _, _ = _plan(tmp_path, "50%")
+    o = ctx.get(OffloadPlan)
+    size = {w.name: w.nbytes for w in graph.weights}
+    assert o.budget_bytes == o.weight_bytes // 2
+    assert o.resident_bytes + o.buffer_bytes <= o.budget_bytes
+    assert o.resident_bytes == sum(size[w] for w in o.resident)
+    assert o.streamed_bytes == sum(size[w] for w in o.streamed) > 0
+    assert not set(o.resident) & set(o.streamed)
+    assert any(w.endswith("embed_tokens.weight") for w in o.row_streamed)
+    assert all(w.endswith(".weight_t") or "embed" in w for w in o.row_streamed)
+    # balanced: every layer keeps the same tensors resident
+    per_layer: dict[int, set[str]] = {}
+    for w in o.resident:
+        if layer_of(w) is not None and w.endswith(".q8"):
+            per_layer.setdefault(layer_of(w), set()).add(w.split(f"layers.{layer_of(w)}.")[1])
+    assert len(per_layer) == 4 and len({frozenset(v) for v in per_layer.values()}) == 1
+    kept = next(iter(per_layer.values()))
+    # attention first: if any FFN matrix is resident, every attention matrix is
+    ranks = {preservation_rank(w) for w in kept}
+    assert 0 in ranks  # K and V first
+    streamed_ranks = {preservation_rank(w) for w in o.streamed if layer_of(w) is not None}
+    assert max(ranks) <= min(streamed_ranks)
+    # prefetching hides I/O: max(T, S/bw) < T + S/bw
+    assert o.predicted_decode_s < o.predicted_decode_no_prefetch_s
+
+
+def test_budgets_order_and_limits(tmp_path):
+    from llmc.analyses import OffloadPlan
+    from llmc.errors import CompileError
+
+    plans = [_plan(tmp_path, b)[1].get(OffloadPlan) for b in ("30%", "60%", "100%")]
+    assert plans[0].resident_bytes < plans[1].resident_bytes < plans[2].resident_bytes
+    assert plans[2].streamed == () and plans[2].buffer_bytes == 0
+    with pytest.raises(CompileError, match="below the minimum"):
+        _plan(tmp_path, "1MB")
+    with pytest.raises(CompileError, match="cannot read the size"):
+        _plan(tmp_path, "lots")
+    _, ctx, _, _ = _plan(tmp_path, None)
+    assert not ctx.has(OffloadPlan)
+
+
+def test_parse_size():
+    from llmc.units import parse_size
+
+    assert parse_size("300MB") == 300_000_000 and parse_size("1.5GiB") == int(1.5 * 2**30) and parse_size("50%", 1000) == 500
+    assert parse_size("123") == 123
