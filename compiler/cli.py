@@ -84,7 +84,7 @@ def cli(verbose: int) -> None:
               help="Processor of the static subgraphs: chosen by the cost model (auto), or all on the NPU / CPU.")
 @click.option("--prompt-len", type=click.IntRange(1), default=None, help="Prompt length the schedule's predictions are reported for (default: --max-context).")
 @click.option("--memory-budget", default=None,
-              help="Keep at most this many bytes of weights resident (e.g. 300MB, 1.5GB, 50%% of the weight bytes); the rest streams from the bundle.")
+              help="Keep at most this many bytes of weights resident (e.g. 300MB, 1.5GB, 50% of the weight bytes); the rest streams from the bundle.")
 @click.option("--prefetch-depth", type=click.IntRange(0), default=2, show_default=True, help="[--memory-budget] Steps of streamed weights read ahead.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Cache for calibration results and dequantized GGUF models (default: $LLMC_CACHE_DIR or ~/.cache/llmc).")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the cache.")
@@ -142,10 +142,10 @@ def compile(model, out, target, soc, qnn_shard_mb, mlir_dialect, repro_dir, chun
 @click.option("--prompt-len", type=click.IntRange(1), default=1024, show_default=True, help="Prompt length to predict prefill for.")
 @click.option("--target", type=click.Choice(["npu", "cpu"]), default="npu", show_default=True, help="Program shape to plan: W8A8 with shadow outliers (npu) or float32 (cpu).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C.")
-@click.option("--memory-budget", default=None, help="Plan weight offloading under this budget (e.g. 2GB, 50%%).")
+@click.option("--memory-budget", default=None, help="Plan weight offloading under this budget (e.g. 2GB, 50%).")
 @click.option("--prefetch-depth", type=click.IntRange(0), default=2, show_default=True, help="Steps of streamed weights read ahead.")
 @click.option("--shadow-keep", type=click.FloatRange(0, 1), default=1.0, show_default=True,
-              help="Fraction of Linear inputs that keep a shadow path (llm.npu prunes 85%%: 0.15).")
+              help="Fraction of Linear inputs that keep a shadow path (llm.npu prunes 85%: 0.15).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_guard
 def plan(model, profile, prompt_len, target, chunk, memory_budget, prefetch_depth, shadow_keep, as_json):
