@@ -125,6 +125,8 @@ def shadow_outliers(
     lo: float,
     hi: float,
     n: int,
+    *,
+    inplace: bool = False,
 ) -> tuple[list[np.ndarray], int]:
     """Each ``ys[i]`` plus the float contribution of the entries of ``x`` outside ``[lo, hi]``.
 
@@ -134,7 +136,7 @@ def shadow_outliers(
     transposed weights (``[in, sum(splits)]``). ``hot_pos[c]`` is the row of
     ``hot_rows`` holding channel c, or -1: those rows are read from ``weight_t``
     (memory-mapped) on demand. Returns the corrected results and the number of
-    outlier entries.
+    outlier entries. With ``inplace`` the ``ys`` arrays themselves are corrected.
     """
     xs = x[:n]
     mask = (xs > hi) | (xs < lo)
@@ -154,7 +156,7 @@ def shadow_outliers(
     corr = delta @ rows
     out, start = [], 0
     for y, w in zip(ys, splits):
-        o = np.array(y, dtype=np.float32, copy=True)
+        o = y if inplace and y.dtype == np.float32 and y.flags.writeable else np.array(y, dtype=np.float32, copy=True)
         o[:n] += corr[:, start : start + w]
         out.append(o)
         start += w
