@@ -139,21 +139,24 @@ def shadow_outliers(
     outlier entries. With ``inplace`` the ``ys`` arrays themselves are corrected.
     """
     xs = x[:n]
-    mask = (xs > hi) | (xs < lo)
-    count = int(np.count_nonzero(mask))
+    # x - clip(x) is non-zero exactly at the outliers (a difference of distinct floats never is zero).
+    delta = xs - np.clip(xs, np.float32(lo), np.float32(hi))
+    nonzero = delta != 0
+    count = int(np.count_nonzero(nonzero))
     if count == 0:
         return list(ys), 0
-    chans = np.flatnonzero(mask.any(axis=0))
-    sub = xs[:, chans]
-    delta = sub - np.clip(sub, np.float32(lo), np.float32(hi))
+    chans = np.flatnonzero(nonzero[0] if n == 1 else nonzero.any(axis=0))
     pos = hot_pos[chans]
-    rows = np.empty((len(chans), weight_t.shape[1]), np.float32)
-    hot = pos >= 0
-    if hot.any():
-        rows[hot] = hot_rows[pos[hot]]
-    if not hot.all():
-        rows[~hot] = weight_t[chans[~hot]]
-    corr = delta @ rows
+    cold = pos < 0
+    if not cold.any():
+        rows = hot_rows[pos]
+    elif cold.all():
+        rows = weight_t[chans]
+    else:
+        rows = np.empty((len(chans), weight_t.shape[1]), np.float32)
+        rows[~cold] = hot_rows[pos[~cold]]
+        rows[cold] = weight_t[chans[cold]]
+    corr = delta[:, chans] @ rows
     out, start = [], 0
     for y, w in zip(ys, splits):
         o = y if inplace and y.dtype == np.float32 and y.flags.writeable else np.array(y, dtype=np.float32, copy=True)

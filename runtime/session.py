@@ -121,6 +121,13 @@ class Session:
                 self._hot_pos[st["name"]] = pos
         # Outlier entries seen by each shadow path since the session was created.
         self.outlier_counts: dict[str, int] = {name: 0 for name in self._hot_pos}
+        # A shadow step corrects the NPU results in place when no other step reads them.
+        readers: dict[str, int] = {}
+        for st in self.program:
+            for v in st["inputs"]:
+                readers[v] = readers.get(v, 0) + 1
+        self._shadow_inplace = {st["name"]: all(readers[v] == 1 for v in st["inputs"][1:]) for st in self.program
+                                if st["kind"] == "op" and st["op"] == "ShadowOutliers"}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
         if tok.get("file"):
@@ -131,7 +138,6 @@ class Session:
         self.cache: kernels.KVCache | None = None
         self._attention: OrtAttention | None = None
         self.position = 0
-        self._steps = self._compile_program()
         if not lazy:
             self.warmup()
 
@@ -239,70 +245,6 @@ class Session:
             self._attention = OrtAttention(self._ort, self.cache, self._threads)
         self.position = 0
 
-    def _compile_program(self) -> list[tuple[bool, list[str], list[str], Any]]:
-        """Bind every program step once: ``(head_only, inputs, outputs, run)``.
-
-        ``run(ins, start, n, logit_rows)`` returns the step's outputs. Name
-        lookups, weight views and kernel choices are resolved here, not per call.
-        """
-        readers: dict[str, int] = {}
-        for s in self.program:
-            for x in s["inputs"]:
-                readers[x] = readers.get(x, 0) + 1
-        steps = []
-        for i, s in enumerate(self.program):
-            steps.append((i in self._head_steps, list(s["inputs"]), list(s["outputs"]), self._bind_step(s, readers)))
-        return steps
-
-    def _bind_step(self, s: dict[str, Any], readers: dict[str, int]):
-        if s["kind"] == "graph":
-            name, inputs, outputs = s["name"], s["inputs"], s["outputs"]
-            by_rows: dict[int, tuple[Any, list[str], list[str]]] = {}
-
-            def run_graph(ins, start, n, logit_rows):
-                r = ins[0].shape[0]
-                bound = by_rows.get(r)
-                if bound is None:
-                    sess, prefix = self._session(name, r)
-                    bound = by_rows[r] = (sess, [prefix + o for o in outputs], [prefix + x for x in inputs])
-                sess, outs, feeds = bound
-                return sess.run(outs, dict(zip(feeds, ins)))
-
-            return run_graph
-        op, a, w = s["op"], s.get("attrs", {}), s.get("weights", {})
-        if op == "Embedding":
-            table, scale = self._weights[w["table"]], a["scale"]
-            return lambda ins, start, n, logit_rows: [kernels.embedding(ins[0], table, scale)]
-        if op == "RotaryTable":
-            inv_freq, scaling = self._weights[w["inv_freq"]], a["scaling"]
-            return lambda ins, start, n, logit_rows: list(kernels.rotary_table(ins[0], inv_freq, scaling))
-        if op == "Attention":
-            use_ort = OrtAttention.supports(a)
-
-            def run_attention(ins, start, n, logit_rows):
-                cos, sin = (ins[3], ins[4]) if len(ins) == 5 else (None, None)
-                if use_ort:
-                    return [self._attention(ins[0], ins[1], ins[2], cos, sin, start=start, n=n, **a)]
-                return [kernels.attention(ins[0], ins[1], ins[2], cos, sin, cache=self.cache, start=start, n=n, **a)]
-
-            return run_attention
-        if op == "ShadowOutliers":
-            name, splits, lo, hi = s["name"], a["splits"], a["lo"], a["hi"]
-            hot_rows, weight_t, hot_pos = self._weights[w["hot_rows"]], self._weights[w["weight_t"]], self._hot_pos[s["name"]]
-            # The NPU results are graph outputs read by this step alone: correct them in place.
-            inplace = all(readers[y] == 1 for y in s["inputs"][1:])
-
-            def run_shadow(ins, start, n, logit_rows):
-                res, count = kernels.shadow_outliers(ins[0], ins[1:], splits, hot_rows, weight_t, hot_pos, lo, hi, n, inplace=inplace)
-                self.outlier_counts[name] += count
-                return res
-
-            return run_shadow
-        if op == "SelectRows":
-            return lambda ins, start, n, logit_rows: [self._select(ins[0], logit_rows)]
-        raise BundleError(f"{self.bundle}: program step {s['name']} uses op {op!r}, which this runtime does not know",
-                          hint="the bundle was made by a newer llmc; upgrade the runtime")
-
     def _run_chunk(self, ids: np.ndarray, n: int, logit_rows: np.ndarray | None) -> np.ndarray | None:
         """Run the program on ``ids`` (padded to an instance size) of which ``n`` are real."""
         rows = ids.shape[0]
@@ -313,10 +255,37 @@ class Session:
             self.io["input_ids"]: ids.astype(np.int64, copy=False),
             self.io["positions"]: np.arange(start, start + rows, dtype=np.int64),
         }
-        for head_only, inputs, outputs, run in self._steps:
-            if head_only and logit_rows is None:
+        for i, s in enumerate(self.program):
+            if logit_rows is None and i in self._head_steps:
                 continue
-            buf.update(zip(outputs, run([buf[x] for x in inputs], start, n, logit_rows)))
+            if s["kind"] == "graph":
+                r = buf[s["inputs"][0]].shape[0]
+                sess, prefix = self._session(s["name"], r)
+                outs = sess.run([prefix + o for o in s["outputs"]], {prefix + name: buf[name] for name in s["inputs"]})
+                buf.update(zip(s["outputs"], outs))
+                continue
+            op, a, ins = s["op"], s.get("attrs", {}), [buf[x] for x in s["inputs"]]
+            if op == "Embedding":
+                res = [kernels.embedding(ins[0], self._weights[s["weights"]["table"]], a["scale"])]
+            elif op == "RotaryTable":
+                res = list(kernels.rotary_table(ins[0], self._weights[s["weights"]["inv_freq"]], a["scaling"]))
+            elif op == "Attention":
+                cos, sin = (ins[3], ins[4]) if len(ins) == 5 else (None, None)
+                if OrtAttention.supports(a):
+                    res = [self._attention(ins[0], ins[1], ins[2], cos, sin, start=start, n=n, **a)]
+                else:
+                    res = [kernels.attention(ins[0], ins[1], ins[2], cos, sin, cache=self.cache, start=start, n=n, **a)]
+            elif op == "ShadowOutliers":
+                res, count = kernels.shadow_outliers(ins[0], ins[1:], a["splits"], self._weights[s["weights"]["hot_rows"]],
+                                                     self._weights[s["weights"]["weight_t"]], self._hot_pos[s["name"]], a["lo"], a["hi"], n,
+                                                     inplace=self._shadow_inplace[s["name"]])
+                self.outlier_counts[s["name"]] += count
+            elif op == "SelectRows":
+                res = [self._select(ins[0], logit_rows)]
+            else:
+                raise BundleError(f"{self.bundle}: program step {s['name']} uses op {op!r}, which this runtime does not know",
+                                  hint="the bundle was made by a newer llmc; upgrade the runtime")
+            buf.update(zip(s["outputs"], res))
         self.position = start + n
         if logit_rows is None:
             return None
