@@ -105,7 +105,7 @@ class OrtAttention:
         self._cache = cache
         self._threads = threads
         self._sessions: dict[tuple, Any] = {}
-        self._bound: dict[int, tuple[Any, Any]] = {}
+        self._bound: dict[int, tuple[Any, Any, Any]] = {}  # layer -> (IOBinding, K cache, V cache)
         self._out: dict[tuple[int, int], np.ndarray] = {}
 
     @staticmethod
@@ -139,25 +139,27 @@ class OrtAttention:
             qn = kernels._rope(qn.reshape(n, h, d), cos[:n], sin[:n], rotary_dim).reshape(n, h * d)
             kn = kernels._rope(kn.reshape(n, kvh, d), cos[:n], sin[:n], rotary_dim).reshape(n, kvh * d)
         sess = self._session((h, kvh, d, float(scale)))
-        caches = self._bound.get(layer)
-        if caches is None:
+        bound = self._bound.get(layer)
+        if bound is None:  # the caches stay bound as past and present across calls
             ov = self._ort.OrtValue.ortvalue_from_numpy
-            caches = self._bound[layer] = (ov(self._cache.k[layer][None]), ov(self._cache.v[layer][None]))
+            kc, vc = ov(self._cache.k[layer][None]), ov(self._cache.v[layer][None])
+            b = sess.io_binding()
+            bound = self._bound[layer] = (b, kc, vc)  # the OrtValues keep the cache views alive
+            b.bind_ortvalue_input("past_k", kc)
+            b.bind_ortvalue_input("past_v", vc)
+            b.bind_ortvalue_output("present_k", kc)
+            b.bind_ortvalue_output("present_v", vc)
+        b = bound[0]
         out = self._out.get((layer, rows))
         if out is None:
             out = self._out[(layer, rows)] = np.zeros((rows, h * d), np.float32)
         elif n < rows:
             out[n:] = 0.0
-        b = sess.io_binding()
         b.bind_cpu_input("q", np.ascontiguousarray(qn, np.float32)[None])
         b.bind_cpu_input("k", np.ascontiguousarray(kn, np.float32)[None])
         b.bind_cpu_input("v", np.ascontiguousarray(v[:n], np.float32)[None])
-        b.bind_ortvalue_input("past_k", caches[0])
-        b.bind_ortvalue_input("past_v", caches[1])
         b.bind_cpu_input("seqlens_k", np.array([start + n - 1], np.int32))
         b.bind_cpu_input("total_len", np.array(start + n, np.int32))
-        b.bind_output("out", "cpu", 0, np.float32, [1, n, h * d], out[:n].__array_interface__["data"][0])
-        b.bind_ortvalue_output("present_k", caches[0])
-        b.bind_ortvalue_output("present_v", caches[1])
+        b.bind_output("out", "cpu", 0, np.float32, [1, n, h * d], out.ctypes.data)
         sess.run_with_iobinding(b)
         return out
