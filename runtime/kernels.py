@@ -141,18 +141,22 @@ def shadow_outliers(
     xs = x[:n]
     # x - clip(x) is non-zero exactly at the outliers (a difference of distinct floats never is zero).
     delta = xs - np.clip(xs, np.float32(lo), np.float32(hi))
-    nonzero = delta != 0
-    count = int(np.count_nonzero(nonzero))
+    if n == 1:  # decode: one row, skip the reductions
+        chans = delta[0].nonzero()[0]
+        count = len(chans)
+    else:
+        nonzero = delta != 0
+        count = int(np.count_nonzero(nonzero))
+        chans = nonzero.any(axis=0).nonzero()[0]
     if count == 0:
         return list(ys), 0
-    chans = np.flatnonzero(nonzero[0] if n == 1 else nonzero.any(axis=0))
     pos = hot_pos[chans]
-    cold = pos < 0
-    if not cold.any():
+    if pos.min() >= 0:
         rows = hot_rows[pos]
-    elif cold.all():
+    elif pos.max() < 0:
         rows = weight_t[chans]
     else:
+        cold = pos < 0
         rows = np.empty((len(chans), weight_t.shape[1]), np.float32)
         rows[~cold] = hot_rows[pos[~cold]]
         rows[cold] = weight_t[chans[cold]]
