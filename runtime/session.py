@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from llmc.runtime import kernels
+from llmc.runtime.binding import BoundGraph
 from llmc.runtime.errors import BundleError, PromptTooLongError, ProviderError
 from llmc.runtime.manifest import load_manifest, map_weights, resolve_inside
 from llmc.runtime.ort_attention import OrtAttention
@@ -128,6 +129,14 @@ class Session:
                 readers[v] = readers.get(v, 0) + 1
         self._shadow_inplace = {st["name"]: all(readers[v] == 1 for v in st["inputs"][1:]) for st in self.program
                                 if st["kind"] == "op" and st["op"] == "ShadowOutliers"}
+        # Graphs that run once per chunk and do not produce the logits write into reused buffers.
+        runs: dict[str, int] = {}
+        for st in self.program:
+            if st["kind"] == "graph":
+                runs[st["name"]] = runs.get(st["name"], 0) + 1
+        self._reusable = {self.program[i]["name"] for i in range(len(self.program))
+                          if self.program[i]["kind"] == "graph" and runs[self.program[i]["name"]] == 1 and i not in self._head_steps}
+        self._bound: dict[tuple[str, int], BoundGraph] = {}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
         if tok.get("file"):
@@ -259,10 +268,7 @@ class Session:
             if logit_rows is None and i in self._head_steps:
                 continue
             if s["kind"] == "graph":
-                r = buf[s["inputs"][0]].shape[0]
-                sess, prefix = self._session(s["name"], r)
-                outs = sess.run([prefix + o for o in s["outputs"]], {prefix + name: buf[name] for name in s["inputs"]})
-                buf.update(zip(s["outputs"], outs))
+                buf.update(zip(s["outputs"], self._run_graph(s, buf)))
                 continue
             op, a, ins = s["op"], s.get("attrs", {}), [buf[x] for x in s["inputs"]]
             if op == "Embedding":
@@ -290,6 +296,19 @@ class Session:
         if logit_rows is None:
             return None
         return buf[self.io["logits"]][: len(logit_rows)]
+
+    def _run_graph(self, s: dict[str, Any], buf: dict[str, np.ndarray]) -> list[np.ndarray]:
+        name, rows = s["name"], buf[s["inputs"][0]].shape[0]
+        sess, prefix = self._session(name, rows)
+        on_qnn = self.provider == "qnn" and name in self.manifest["qnn"]["graphs"]
+        if name in self._reusable and not on_qnn:
+            bound = self._bound.get((name, rows))
+            if bound is None:
+                outs = self.graphs[name]["outputs"]
+                bound = self._bound[(name, rows)] = BoundGraph(sess, s["inputs"], s["outputs"], rows,
+                                                               [o["features"] for o in outs], [o["dtype"] for o in outs])
+            return bound([buf[x] for x in s["inputs"]])
+        return sess.run([prefix + o for o in s["outputs"]], {prefix + x: buf[x] for x in s["inputs"]})
 
     def _select(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         if self._head is None:
