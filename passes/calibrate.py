@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 STATS_VERSION = 1
 SEQ_LEN = 512  # calibration text is run in sequences of this many tokens
+_FAR = float(1 << 20)  # beyond every histogram bin in units of 1/HIST_PER_OCTAVE octave
+assert HIST_PER_OCTAVE % CH_PER_OCTAVE == 0, "the per-channel bins must be unions of the fine bins"
 
 
 def default_corpus() -> tuple[str, str]:
@@ -67,21 +69,28 @@ class _Accumulator:
 
     def add(self, x: np.ndarray) -> None:
         a = np.abs(x)
-        self.absmax = max(self.absmax, float(a.max()))
+        ch_max = a.max(axis=0)
+        self.absmax = max(self.absmax, float(ch_max.max()))
         self.minimum = min(self.minimum, float(x.min()))
         self.maximum = max(self.maximum, float(x.max()))
         self.count += a.size
-        with np.errstate(divide="ignore"):
-            lg = np.log2(a)
-        fine = np.floor(lg * HIST_PER_OCTAVE) - HIST_MIN_EXP * HIST_PER_OCTAVE + 1
-        fine = np.clip(np.nan_to_num(fine, neginf=0), 0, len(self.hist) - 1).astype(np.int64)
-        self.hist += np.bincount(fine.ravel(), minlength=len(self.hist))
-        self.channel_absmax = np.maximum(self.channel_absmax, a.max(axis=0))
-        nb = self.channel_hist.shape[1]
-        coarse = np.floor(lg * CH_PER_OCTAVE) - CH_MIN_EXP * CH_PER_OCTAVE + 1
-        coarse = np.clip(np.nan_to_num(coarse, neginf=0), 0, nb - 1).astype(np.int64)
-        flat = coarse + np.arange(a.shape[1])[None, :] * nb
-        self.channel_hist += np.bincount(flat.ravel(), minlength=self.channel_hist.size).reshape(self.channel_hist.shape)
+        self.channel_absmax = np.maximum(self.channel_absmax, ch_max)
+        # Bin indices from one log2: f = floor(16 log2|x|) is exact (scaling by 2^k is), and
+        # floor(2 log2|x|) = f // 8. log2(0) = -inf and NaN go to bin 0 and +inf to the last
+        # bin, as clamping the float values would put them.
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.log2(a, out=a)
+        t *= HIST_PER_OCTAVE
+        np.floor(t, out=t)
+        np.fmax(t, -_FAR, out=t)  # also NaN -> -_FAR
+        np.fmin(t, _FAR, out=t)
+        f = t.astype(np.int32)
+        nf, nb = len(self.hist), self.channel_hist.shape[1]
+        fine = np.clip(f - HIST_MIN_EXP * HIST_PER_OCTAVE + 1, 0, nf - 1)
+        self.hist += np.bincount(fine.ravel(), minlength=nf)
+        coarse = np.clip(f // (HIST_PER_OCTAVE // CH_PER_OCTAVE) - CH_MIN_EXP * CH_PER_OCTAVE + 1, 0, nb - 1)
+        coarse += np.arange(a.shape[1], dtype=np.int32)[None, :] * nb
+        self.channel_hist += np.bincount(coarse.ravel(), minlength=self.channel_hist.size).reshape(self.channel_hist.shape)
 
     def freeze(self) -> TensorStats:
         return TensorStats(self.absmax, self.count, self.hist, self.channel_absmax, self.channel_hist, self.minimum, self.maximum)

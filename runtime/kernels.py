@@ -126,6 +126,8 @@ def shadow_outliers(
     lo: float,
     hi: float,
     n: int,
+    *,
+    inplace: bool = False,
 ) -> tuple[list[np.ndarray], int]:
     """Each ``ys[i]`` plus the float contribution of the entries of ``x`` outside ``[lo, hi]``.
 
@@ -134,28 +136,36 @@ def shadow_outliers(
     for all Linears reading ``x`` in one matmul against their concatenated
     transposed weights (``[in, sum(splits)]``). ``hot_pos[c]`` is the row of
     ``hot_rows`` holding channel c, or -1: those rows are read from ``weight_t``
-    (memory-mapped, or a row reader under a memory budget) on demand. Returns the corrected results and the number of
-    outlier entries.
+    (memory-mapped, or a row reader under a memory budget) on demand. Returns the
+    corrected results and the number of outlier entries. With ``inplace`` the
+    ``ys`` arrays themselves are corrected.
     """
     xs = x[:n]
-    mask = (xs > hi) | (xs < lo)
-    count = int(np.count_nonzero(mask))
+    # x - clip(x) is non-zero exactly at the outliers (a difference of distinct floats never is zero).
+    delta = xs - np.clip(xs, np.float32(lo), np.float32(hi))
+    if n == 1:  # decode: one row, skip the reductions
+        chans = delta[0].nonzero()[0]
+        count = len(chans)
+    else:
+        nonzero = delta != 0
+        count = int(np.count_nonzero(nonzero))
+        chans = nonzero.any(axis=0).nonzero()[0]
     if count == 0:
         return list(ys), 0
-    chans = np.flatnonzero(mask.any(axis=0))
-    sub = xs[:, chans]
-    delta = sub - np.clip(sub, np.float32(lo), np.float32(hi))
     pos = hot_pos[chans]
-    rows = np.empty((len(chans), weight_t.shape[1]), np.float32)
-    hot = pos >= 0
-    if hot.any():
-        rows[hot] = hot_rows[pos[hot]]
-    if not hot.all():
-        rows[~hot] = weight_t[chans[~hot]]
-    corr = delta @ rows
+    if pos.min() >= 0:
+        rows = hot_rows[pos]
+    elif pos.max() < 0:
+        rows = weight_t[chans]
+    else:
+        cold = pos < 0
+        rows = np.empty((len(chans), weight_t.shape[1]), np.float32)
+        rows[~cold] = hot_rows[pos[~cold]]
+        rows[cold] = weight_t[chans[cold]]
+    corr = delta[:, chans] @ rows
     out, start = [], 0
     for y, w in zip(ys, splits):
-        o = np.array(y, dtype=np.float32, copy=True)
+        o = y if inplace and y.dtype == np.float32 and y.flags.writeable else np.array(y, dtype=np.float32, copy=True)
         o[:n] += corr[:, start : start + w]
         out.append(o)
         start += w

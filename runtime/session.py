@@ -21,8 +21,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from llmc.runtime import kernels
+from llmc.runtime.binding import BoundGraph
 from llmc.runtime.errors import BundleError, PromptTooLongError, ProviderError
 from llmc.runtime.manifest import load_manifest, map_weights, resolve_inside
+from llmc.runtime.ort_attention import OrtAttention
 from llmc.runtime.residency import Residency
 from llmc.runtime.sampling import Sampler
 
@@ -140,6 +142,21 @@ class Session:
                 self._hot_pos[st["name"]] = pos
         # Outlier entries seen by each shadow path since the session was created.
         self.outlier_counts: dict[str, int] = {name: 0 for name in self._hot_pos}
+        # A shadow step corrects the NPU results in place when no other step reads them.
+        readers: dict[str, int] = {}
+        for st in self.program:
+            for v in st["inputs"]:
+                readers[v] = readers.get(v, 0) + 1
+        self._shadow_inplace = {st["name"]: all(readers[v] == 1 for v in st["inputs"][1:]) for st in self.program
+                                if st["kind"] == "op" and st["op"] == "ShadowOutliers"}
+        # Graphs that run once per chunk and do not produce the logits write into reused buffers.
+        runs: dict[str, int] = {}
+        for st in self.program:
+            if st["kind"] == "graph":
+                runs[st["name"]] = runs.get(st["name"], 0) + 1
+        self._reusable = {self.program[i]["name"] for i in range(len(self.program))
+                          if self.program[i]["kind"] == "graph" and runs[self.program[i]["name"]] == 1 and i not in self._head_steps}
+        self._bound: dict[tuple[str, int], BoundGraph] = {}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
         if tok.get("file"):
@@ -148,6 +165,7 @@ class Session:
             self.tokenizer = Tokenizer.from_file(str(resolve_inside(self.bundle, tok["file"])))
         self.eos_ids = set(tok.get("eos_token_ids", []))
         self.cache: kernels.KVCache | None = None
+        self._attention: OrtAttention | None = None
         self.position = 0
         if not lazy:
             self.warmup()
@@ -259,11 +277,16 @@ class Session:
             for rows in g["instances"]:
                 phase = "decode" if int(rows) == 1 and name != self._head else "prefill"
                 self._session(name, int(rows), self._placement[phase].get(name, "npu"))
+        self.reset()
+        for s in self.program:
+            if s["kind"] == "op" and s["op"] == "Attention" and OrtAttention.supports(s["attrs"]):
+                self._attention.prepare(**s["attrs"])
 
     # -- execution -----------------------------------------------------------
     def reset(self) -> None:
         if self.cache is None:
             self.cache = kernels.KVCache(self._attn_layers, self.max_context)
+            self._attention = OrtAttention(self._ort, self.cache, self._threads)
         self.position = 0
 
     def _feeds(self, ids: np.ndarray, start: int) -> dict[str, np.ndarray]:
@@ -275,21 +298,7 @@ class Session:
     def _run_step(self, s: dict[str, Any], buf: dict[str, np.ndarray], start: int, n: int, logit_rows: np.ndarray | None, phase: str) -> None:
         """Run program step ``s`` on the values in ``buf`` (a chunk at ``start`` with ``n`` real rows)."""
         if s["kind"] == "graph":
-            r = buf[s["inputs"][0]].shape[0]
-            sess, prefix = self._session(s["name"], r, self._placement[phase].get(s["name"], "npu"))
-            feeds = {prefix + name: buf[name] for name in s["inputs"]}
-            if s["name"] in self._fed:  # budgeted bundle: resident weights are inputs
-                feeds.update(self._fed[s["name"]])
-            i = self._step_index[s["name"]]
-            if self.residency is not None and i in self.residency.streaming.by_step:
-                feeds.update(self.residency.streaming.acquire(i))
-                try:
-                    outs = sess.run([prefix + o for o in s["outputs"]], feeds)
-                finally:
-                    self.residency.streaming.release(i)
-            else:
-                outs = sess.run([prefix + o for o in s["outputs"]], feeds)
-            buf.update(zip(s["outputs"], outs))
+            buf.update(zip(s["outputs"], self._run_graph(s, buf, phase)))
             return
         op, a, ins = s["op"], s.get("attrs", {}), [buf[x] for x in s["inputs"]]
         if op == "Embedding":
@@ -298,10 +307,14 @@ class Session:
             res = list(kernels.rotary_table(ins[0], self._weights[s["weights"]["inv_freq"]], a["scaling"]))
         elif op == "Attention":
             cos, sin = (ins[3], ins[4]) if len(ins) == 5 else (None, None)
-            res = [kernels.attention(ins[0], ins[1], ins[2], cos, sin, cache=self.cache, start=start, n=n, **a)]
+            if OrtAttention.supports(a):
+                res = [self._attention(ins[0], ins[1], ins[2], cos, sin, start=start, n=n, **a)]
+            else:
+                res = [kernels.attention(ins[0], ins[1], ins[2], cos, sin, cache=self.cache, start=start, n=n, **a)]
         elif op == "ShadowOutliers":
             res, count = kernels.shadow_outliers(ins[0], ins[1:], a["splits"], self._weights[s["weights"]["hot_rows"]],
-                                                 self._weights[s["weights"]["weight_t"]], self._hot_pos[s["name"]], a["lo"], a["hi"], n)
+                                                 self._weights[s["weights"]["weight_t"]], self._hot_pos[s["name"]], a["lo"], a["hi"], n,
+                                                 inplace=self._shadow_inplace[s["name"]])
             self.outlier_counts[s["name"]] += count
         elif op == "SelectRows":
             res = [self._select(ins[0], logit_rows)]
@@ -389,6 +402,35 @@ class Session:
         """Stop the prefetch thread and close the weight file (budgeted bundles); the session is unusable after."""
         if self.residency is not None:
             self.residency.close()
+
+    def _run_graph(self, s: dict[str, Any], buf: dict[str, np.ndarray], phase: str) -> list[np.ndarray]:
+        """One graph step: a one-row instance through its IOBinding with reused outputs when it can
+        (decode: nothing holds its results across calls), else an ordinary run with the streamed and
+        fed weights of a budgeted bundle."""
+        name, rows = s["name"], buf[s["inputs"][0]].shape[0]
+        processor = self._placement[phase].get(name, "npu")
+        sess, prefix = self._session(name, rows, processor)
+        on_qnn = self.provider == "qnn" and processor == "npu" and name in self.manifest["qnn"]["graphs"]
+        i = self._step_index[name]
+        streamed = self.residency is not None and i in self.residency.streaming.by_step
+        if rows == 1 and name in self._reusable and not on_qnn and not streamed and name not in self._fed:
+            bound = self._bound.get((name, rows))
+            if bound is None:
+                outs = self.graphs[name]["outputs"]
+                bound = self._bound[(name, rows)] = BoundGraph(sess, s["inputs"], s["outputs"], rows,
+                                                               [o["features"] for o in outs], [o["dtype"] for o in outs])
+            return bound([buf[x] for x in s["inputs"]])
+        feeds = {prefix + x: buf[x] for x in s["inputs"]}
+        if name in self._fed:  # budgeted bundle: resident weights are inputs
+            feeds.update(self._fed[name])
+        names = [prefix + o for o in s["outputs"]]
+        if not streamed:
+            return sess.run(names, feeds)
+        feeds.update(self.residency.streaming.acquire(i))
+        try:
+            return sess.run(names, feeds)
+        finally:
+            self.residency.streaming.release(i)
 
     def _select(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         if self._head is None:

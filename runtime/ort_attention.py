@@ -1,0 +1,168 @@
+"""Attention over the KV cache as one ONNX Runtime ``GroupQueryAttention`` call.
+
+The numpy kernel (:func:`llmc.runtime.kernels.attention`) runs on one core;
+ONNX Runtime's fused CPU kernel (``com.microsoft.GroupQueryAttention``) runs the
+same causal GQA on all of them and writes the new K/V rows straight into the
+cache: the cache arrays are bound as both ``past`` and ``present`` (ORT's
+shared-buffer mode), so no cache bytes are copied per step.
+
+The runtime may not depend on the ``onnx`` package, so the one-node model is
+serialised here with a minimal protobuf writer (the fields used are listed in
+:func:`gqa_model`). Rotary embedding stays in numpy (``_rope``), exactly as in
+the numpy kernel, so both paths rotate identically; sliding-window attention
+keeps the numpy kernel.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+
+from llmc.runtime import kernels
+
+
+# -- protobuf wire format (only what an ONNX ModelProto needs) ---------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _key(field: int, wire: int) -> bytes:
+    return _varint(field << 3 | wire)
+
+
+def _int(field: int, v: int) -> bytes:
+    return _key(field, 0) + _varint(v)
+
+
+def _bytes(field: int, v: bytes | str) -> bytes:
+    b = v.encode() if isinstance(v, str) else v
+    return _key(field, 2) + _varint(len(b)) + b
+
+
+def _float(field: int, v: float) -> bytes:
+    return _key(field, 5) + struct.pack("<f", v)
+
+
+_FLOAT, _INT32 = 1, 6  # TensorProto.DataType
+
+
+def _value_info(name: str, elem: int, dims: list[int | str]) -> bytes:
+    dim_msgs = b"".join(_bytes(1, _bytes(2, d) if isinstance(d, str) else _int(1, d)) for d in dims)
+    tensor_type = _int(1, elem) + _bytes(2, dim_msgs)  # TypeProto.Tensor: elem_type, shape
+    return _bytes(1, name) + _bytes(2, _bytes(1, tensor_type))  # ValueInfoProto: name, type
+
+
+def _attr_int(name: str, v: int) -> bytes:
+    return _bytes(1, name) + _int(3, v) + _int(20, 2)  # AttributeProto: name, i, type=INT
+
+
+def _attr_float(name: str, v: float) -> bytes:
+    return _bytes(1, name) + _float(2, v) + _int(20, 1)  # AttributeProto: name, f, type=FLOAT
+
+
+def gqa_model(num_heads: int, num_kv_heads: int, head_dim: int, capacity: int, scale: float) -> bytes:
+    """A serialised ONNX model with one ``GroupQueryAttention`` node (batch 1).
+
+    Inputs ``q [1, n, H*D]``, ``k``/``v [1, n, KV*D]`` (already rotated), the
+    caches ``past_k``/``past_v [1, KV, capacity, D]``, ``seqlens_k [1]`` (int32,
+    total length - 1) and ``total_len`` (int32 scalar); outputs ``out [1, n, H*D]``
+    and ``present_k``/``present_v`` (bound to the same buffers as the past).
+    """
+    hd, kvd = num_heads * head_dim, num_kv_heads * head_dim
+    cache = [1, num_kv_heads, capacity, head_dim]
+    inputs = [("q", _FLOAT, [1, "n", hd]), ("k", _FLOAT, [1, "n", kvd]), ("v", _FLOAT, [1, "n", kvd]),
+              ("past_k", _FLOAT, cache), ("past_v", _FLOAT, cache), ("seqlens_k", _INT32, [1]), ("total_len", _INT32, [])]
+    outputs = [("out", _FLOAT, [1, "n", hd]), ("present_k", _FLOAT, cache), ("present_v", _FLOAT, cache)]
+    node = b"".join(_bytes(1, name) for name, _, _ in inputs) + b"".join(_bytes(2, name) for name, _, _ in outputs)
+    node += _bytes(3, "attention") + _bytes(4, "GroupQueryAttention") + _bytes(7, "com.microsoft")
+    node += _bytes(5, _attr_int("num_heads", num_heads)) + _bytes(5, _attr_int("kv_num_heads", num_kv_heads))
+    node += _bytes(5, _attr_float("scale", scale))
+    graph = _bytes(1, node) + _bytes(2, "attention")
+    graph += b"".join(_bytes(11, _value_info(*i)) for i in inputs) + b"".join(_bytes(12, _value_info(*o)) for o in outputs)
+    opsets = _bytes(8, _bytes(1, "") + _int(2, 21)) + _bytes(8, _bytes(1, "com.microsoft") + _int(2, 1))
+    return _int(1, 10) + _bytes(2, "llmc") + opsets + _bytes(7, graph)  # ModelProto: ir_version, producer, opsets, graph
+
+
+class OrtAttention:
+    """Causal GQA of one layer configuration over a :class:`~llmc.runtime.kernels.KVCache`.
+
+    One ONNX Runtime session per distinct (heads, kv heads, head dim, scale);
+    an output buffer per layer and row count is reused across calls.
+    """
+
+    def __init__(self, ort: Any, cache: kernels.KVCache, threads: int) -> None:
+        self._ort = ort
+        self._cache = cache
+        self._threads = threads
+        self._sessions: dict[tuple, Any] = {}
+        self._bound: dict[int, tuple[Any, Any, Any]] = {}  # layer -> (IOBinding, K cache, V cache)
+        self._out: dict[tuple[int, int], np.ndarray] = {}
+
+    @staticmethod
+    def supports(attrs: dict[str, Any]) -> bool:
+        return not attrs["sliding_window"]
+
+    def prepare(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, **_: Any) -> None:
+        """Create the session for this configuration now rather than on first use."""
+        self._session((num_heads, num_kv_heads, head_dim, float(scale)))
+
+    def _session(self, key: tuple):
+        sess = self._sessions.get(key)
+        if sess is None:
+            ort = self._ort
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = self._threads
+            so.inter_op_num_threads = 1
+            so.log_severity_level = 3
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            sess = self._sessions[key] = ort.InferenceSession(gqa_model(*key[:3], self._cache.capacity, key[3]), so, providers=["CPUExecutionProvider"])
+        return sess
+
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray | None, sin: np.ndarray | None, *,
+                 layer: int, start: int, n: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 rotary_dim: int, sliding_window: int) -> np.ndarray:
+        """Same contract as :func:`llmc.runtime.kernels.attention` (``sliding_window`` must be 0)."""
+        rows = q.shape[0]
+        h, kvh, d = num_heads, num_kv_heads, head_dim
+        qn, kn = q[:n], k[:n]
+        if rotary_dim:
+            qn = kernels._rope(qn.reshape(n, h, d), cos[:n], sin[:n], rotary_dim).reshape(n, h * d)
+            kn = kernels._rope(kn.reshape(n, kvh, d), cos[:n], sin[:n], rotary_dim).reshape(n, kvh * d)
+        sess = self._session((h, kvh, d, float(scale)))
+        bound = self._bound.get(layer)
+        if bound is None:  # the caches stay bound as past and present across calls
+            ov = self._ort.OrtValue.ortvalue_from_numpy
+            kc, vc = ov(self._cache.k[layer][None]), ov(self._cache.v[layer][None])
+            b = sess.io_binding()
+            bound = self._bound[layer] = (b, kc, vc)  # the OrtValues keep the cache views alive
+            b.bind_ortvalue_input("past_k", kc)
+            b.bind_ortvalue_input("past_v", vc)
+            b.bind_ortvalue_output("present_k", kc)
+            b.bind_ortvalue_output("present_v", vc)
+        b = bound[0]
+        # One reused output per layer for one-row decode; a chunk gets a fresh array, because
+        # the compiled out-of-order schedule may run this layer for the next chunk before the
+        # previous chunk's result has been consumed.
+        out = self._out.get(layer) if rows == 1 else None
+        if out is None:
+            out = np.zeros((rows, h * d), np.float32)
+            if rows == 1:
+                self._out[layer] = out
+        b.bind_cpu_input("q", np.ascontiguousarray(qn, np.float32)[None])
+        b.bind_cpu_input("k", np.ascontiguousarray(kn, np.float32)[None])
+        b.bind_cpu_input("v", np.ascontiguousarray(v[:n], np.float32)[None])
+        b.bind_cpu_input("seqlens_k", np.array([start + n - 1], np.int32))
+        b.bind_cpu_input("total_len", np.array(start + n, np.int32))
+        b.bind_output("out", "cpu", 0, np.float32, [1, n, h * d], out.ctypes.data)
+        sess.run_with_iobinding(b)
+        return out
