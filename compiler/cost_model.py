@@ -10,12 +10,15 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   NPU float (never chosen in practice) ``2RKN / npu.fp16_ops_per_s``.
 * ``QLinear`` (int8 weights):
   NPU ``max(2RKN / npu.int8_ops_per_s, KN / npu.weight_bytes_per_s)``;
-  CPU ``max(2RKN / cpu.int8_ops_per_s, KN / cpu.mem_bytes_per_s)``.
+  CPU ``max(2RKN / cpu.int8_ops_per_s, KN / cpu.mem_bytes_per_s, 2KN /
+  cpu.int8_gemv_ops_per_s)`` (the last: one pass of the weights through the
+  integer kernel, which on CPUs without a fast integer GEMV bounds decode).
   A ``Linear`` placed on the NPU of a target that quantizes is costed as QLinear.
 * element-wise and norms: bytes moved (inputs + output, 4 bytes per value on
   the CPU, 2 on the NPU's 16-bit activations) / ``mem_bytes_per_s``.
 * ``Attention`` (CPU) of n new rows over S keys, H heads of D:
-  ``max(4nSHD / cpu.attention_flops_per_s, 8S·kvH·D / cpu.mem_bytes_per_s)``.
+  ``max(4nSHD / cpu.attention_flops_per_s, 8S·kvH·D / cpu.kv_bytes_per_s)``
+  (``kv_bytes_per_s`` defaults to ``cpu.mem_bytes_per_s``).
 * ``ShadowOutliers`` (CPU) for N outputs of the Linears reading x: a scan of
   ``x`` (``8nF`` bytes), the correction ``max(2nUN / cpu.fp32_flops_per_s,
   4UN / cpu.mem_bytes_per_s)`` over the U channels expected to hold an outlier
@@ -70,7 +73,9 @@ class CostModel:
                     return max(ops / p["npu.int8_ops_per_s"], k * nout / p["npu.weight_bytes_per_s"])
                 return ops / p["npu.fp16_ops_per_s"]
             if op == "QLinear":
-                return max(ops / p["cpu.int8_ops_per_s"], k * nout / p["cpu.mem_bytes_per_s"])
+                gemv = p.get("cpu.int8_gemv_ops_per_s")
+                floor = 2.0 * k * nout / gemv if gemv else 0.0  # one pass of the weights through the integer kernel
+                return max(ops / p["cpu.int8_ops_per_s"], k * nout / p["cpu.mem_bytes_per_s"], floor)
             return max(ops / p["cpu.fp32_flops_per_s"], 4.0 * k * nout / p["cpu.mem_bytes_per_s"])
         if op in ELEMENTWISE:
             elems = sum(_features(v.shape) for v in node.inputs) + sum(_features(v.shape) for v in node.outputs)
@@ -83,7 +88,7 @@ class CostModel:
         if op == "Attention":
             h, kvh, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
             s = min(keys, a["sliding_window"] + n - 1) if a["sliding_window"] else keys
-            return max(4.0 * n * s * h * d / p["cpu.attention_flops_per_s"], 8.0 * s * kvh * d / bw)
+            return max(4.0 * n * s * h * d / p["cpu.attention_flops_per_s"], 8.0 * s * kvh * d / (p.get("cpu.kv_bytes_per_s") or bw))
         if op == "ShadowOutliers":
             x = node.inputs[0]
             f = _features(x.shape)

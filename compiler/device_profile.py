@@ -16,7 +16,10 @@ Keys (SI units: seconds, bytes, operations):
 * ``cpu.*``: ``int8_ops_per_s``, ``fp32_flops_per_s`` (GEMM at chunk shape),
   ``attention_flops_per_s``, ``mem_bytes_per_s`` (streaming weights/activations),
   ``launch_s`` (fixed cost of one graph call) — required; ``op_launch_s``
-  (fixed cost of a dynamic op such as attention; default ``launch_s``);
+  (fixed cost of a dynamic op such as attention; default ``launch_s``),
+  ``int8_gemv_ops_per_s`` (one-row int8 matmul rate, a floor on any int8
+  weight pass; default: no floor), ``kv_bytes_per_s`` (one-row attention's
+  K/V read rate; default ``mem_bytes_per_s``) — optional;
 * ``npu.*``: ``int8_ops_per_s`` (compute ceiling), ``weight_bytes_per_s`` (rate its
   matmuls stream int8 weights), ``fp16_ops_per_s``, ``mem_bytes_per_s``,
   ``launch_s`` — all or none (a profile without them has no NPU);
@@ -39,7 +42,7 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 CPU_KEYS = ("cpu.int8_ops_per_s", "cpu.fp32_flops_per_s", "cpu.attention_flops_per_s", "cpu.mem_bytes_per_s", "cpu.launch_s")
 NPU_KEYS = ("npu.int8_ops_per_s", "npu.weight_bytes_per_s", "npu.fp16_ops_per_s", "npu.mem_bytes_per_s", "npu.launch_s")
 OTHER_KEYS = ("memory.ram_bytes", "storage.read_bytes_per_s")
-OPTIONAL_KEYS = ("sync_s", "memory.npu_addressable_bytes", "cpu.op_launch_s")
+OPTIONAL_KEYS = ("sync_s", "memory.npu_addressable_bytes", "cpu.op_launch_s", "cpu.int8_gemv_ops_per_s", "cpu.kv_bytes_per_s")
 
 
 class ProfileError(LlmcError):

@@ -10,14 +10,19 @@ model end to end:
 * ``cpu.int8_ops_per_s``: the backend's QLinear pattern (QuantizeLinear,
   DequantizeLinear, per-channel uint8 weights, MatMul; ONNX Runtime fuses it
   into an integer matmul) over the same shapes, median;
+* ``cpu.int8_gemv_ops_per_s``: the same QLinear pattern at one row (decode): on
+  CPUs without a fast integer GEMV this, not memory, bounds int8 decode;
 * ``cpu.mem_bytes_per_s``: one-row ``Gemm`` against 64 MB of float32 weights
   (what decode does: stream every weight once);
-* ``cpu.attention_flops_per_s``: :func:`llmc.runtime.kernels.attention`, 256
-  new rows over 1024 keys, 16 heads of 64 (4 KV heads);
+* ``cpu.kv_bytes_per_s``: the one-row attention's cost per cached key, as bytes
+  of K and V read per second (the slope between 128 and 2048 keys);
+* ``cpu.attention_flops_per_s``: the runtime's attention path
+  (:class:`llmc.runtime.ort_attention.OrtAttention`), 256 new rows over 1024
+  keys, 16 heads of 64 (4 KV heads);
 * ``cpu.launch_s``: one ``run`` of a one-node graph from Python, as the
   runtime calls every graph step;
-* ``cpu.op_launch_s``: the fixed cost of a dynamic op step: the attention
-  kernel for one row over 8 keys (a few dozen numpy calls);
+* ``cpu.op_launch_s``: the fixed cost of a dynamic op step: the runtime's
+  attention for one row over 8 keys;
 * ``storage.read_bytes_per_s``: reading a 256 MB file with ``O_DIRECT``
   (bypassing the page cache, like weights streamed from flash);
 * ``memory.ram_bytes``: ``MemTotal`` of ``/proc/meminfo``.
@@ -127,32 +132,34 @@ def launch_seconds(threads: int) -> float:
     return _median_seconds(lambda: dict(zip(["y"], s.run(["y"], {"x": x}))), min_runs=200)
 
 
-def op_launch_seconds() -> float:
+def _attention_runner(threads: int, h: int, kvh: int, d: int, n: int, keys: int):
+    """A call of the runtime's attention path (ONNX Runtime GroupQueryAttention over the bound
+    cache, as :class:`llmc.runtime.session.Session` runs it) for ``n`` rows ending at ``keys``."""
+    import onnxruntime as ort
+
     from llmc.runtime import kernels
+    from llmc.runtime.ort_attention import OrtAttention
 
-    h, kvh, d = 16, 4, 64
-    cache = kernels.KVCache({0: (kvh, d)}, 16)
-    q = np.zeros((1, h * d), np.float32)
-    k = np.zeros((1, kvh * d), np.float32)
-    return _median_seconds(lambda: kernels.attention(q, k, k, None, None, cache=cache, layer=0, start=7, n=1, num_heads=h, num_kv_heads=kvh,
-                                                     head_dim=d, scale=0.125, rotary_dim=0, sliding_window=0), min_runs=200)
-
-
-def attention_flops_per_s() -> float:
-    from llmc.runtime import kernels
-
-    h, kvh, d, n, keys = 16, 4, 64, 256, 1024
     rng = np.random.default_rng(0)
     cache = kernels.KVCache({0: (kvh, d)}, keys)
     start = keys - n
     cache.k[0][:, :start] = rng.standard_normal((kvh, start, d), dtype=np.float32)
     cache.v[0][:, :start] = rng.standard_normal((kvh, start, d), dtype=np.float32)
+    att = OrtAttention(ort, cache, threads)
     q = rng.standard_normal((n, h * d), dtype=np.float32)
     k = rng.standard_normal((n, kvh * d), dtype=np.float32)
     v = rng.standard_normal((n, kvh * d), dtype=np.float32)
-    t = _median_seconds(lambda: kernels.attention(q, k, v, None, None, cache=cache, layer=0, start=start, n=n, num_heads=h, num_kv_heads=kvh,
-                                                  head_dim=d, scale=d ** -0.5, rotary_dim=0, sliding_window=0))
-    return 4.0 * n * keys * h * d / t
+    return lambda: att(q, k, v, None, None, layer=0, start=start, n=n, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=d ** -0.5,
+                       rotary_dim=0, sliding_window=0)
+
+
+def op_launch_seconds(threads: int) -> float:
+    return _median_seconds(_attention_runner(threads, 16, 4, 64, 1, 8), min_runs=200)
+
+
+def attention_flops_per_s(threads: int) -> float:
+    h, kvh, d, n, keys = 16, 4, 64, 256, 1024
+    return 4.0 * n * keys * h * d / _median_seconds(_attention_runner(threads, h, kvh, d, n, keys))
 
 
 def storage_read_bytes_per_s(directory: Path, size: int = 256 << 20) -> tuple[float, str]:
@@ -213,14 +220,20 @@ def measure(threads: int | None = None, scratch: Path | None = None, progress: C
     say("int8 QLinear")
     rates = [2.0 * ROWS * k * m / qlinear_seconds(ROWS, k, m, threads) for k, m in GEMM_SHAPES]
     n["cpu.int8_ops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: the QLinear QDQ pattern [256,K]x[K,N] uint8, median over the same shapes"}
+    rates = [2.0 * k * m / qlinear_seconds(1, k, m, threads) for k, m in GEMM_SHAPES]
+    n["cpu.int8_gemv_ops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: the QLinear QDQ pattern at one row [1,K]x[K,N], median over the same shapes"}
     say("memory bandwidth")
     bw = 4.0 * 4096 * 4096 / gemm_seconds(1, 4096, 4096, threads)
     n["cpu.mem_bytes_per_s"] = {"value": bw, "source": f"{where}: one-row Gemm streaming 64 MB of float32 weights"}
     say("attention")
-    n["cpu.attention_flops_per_s"] = {"value": attention_flops_per_s(), "source": f"{where}: llmc.runtime.kernels.attention, 256 rows over 1024 keys, 16x64 heads, 4 KV heads"}
+    n["cpu.attention_flops_per_s"] = {"value": attention_flops_per_s(threads), "source": f"{where}: the runtime's attention (ONNX Runtime GroupQueryAttention over the bound cache), 256 rows over 1024 keys, 16x64 heads, 4 KV heads"}
     say("launch")
     n["cpu.launch_s"] = {"value": launch_seconds(threads), "source": f"{where}: one InferenceSession.run of a one-node graph from Python"}
-    n["cpu.op_launch_s"] = {"value": op_launch_seconds(), "source": f"{where}: llmc.runtime.kernels.attention for one row over 8 keys"}
+    t_short = _median_seconds(_attention_runner(threads, 16, 4, 64, 1, 128), min_runs=100)
+    t_long = _median_seconds(_attention_runner(threads, 16, 4, 64, 1, 2048), min_runs=100)
+    n["cpu.kv_bytes_per_s"] = {"value": (2048 - 128) * 2 * 4 * 64 * 4 / max(t_long - t_short, 1e-9),
+                               "source": f"{where}: the runtime's one-row attention over 2048 vs 128 keys (4 KV heads of 64), K and V bytes per second"}
+    n["cpu.op_launch_s"] = {"value": op_launch_seconds(threads), "source": f"{where}: the runtime's attention for one row over 8 keys"}
     say("storage")
     rate, how = storage_read_bytes_per_s(scratch or Path(tempfile.gettempdir()))
     n["storage.read_bytes_per_s"] = {"value": rate, "source": f"{where}: sequential 1 MiB reads of a 256 MB file, {how}"}

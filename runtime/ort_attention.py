@@ -106,7 +106,7 @@ class OrtAttention:
         self._threads = threads
         self._sessions: dict[tuple, Any] = {}
         self._bound: dict[int, tuple[Any, Any, Any]] = {}  # layer -> (IOBinding, K cache, V cache)
-        self._out: dict[tuple[int, int], np.ndarray] = {}
+        self._out: dict[int, np.ndarray] = {}  # layer -> the one-row output, reused
 
     @staticmethod
     def supports(attrs: dict[str, Any]) -> bool:
