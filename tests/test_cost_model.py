@@ -6,20 +6,12 @@ import json
 
 import pytest
 
-SMALL = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 16,
-         "num_key_value_heads": 4, "vocab_size": 1000, "max_position_embeddings": 4096}
-
+from conftest import plan_small
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """A 4-layer, hidden-1024 Llama planned from its config (meta tensors) for 8gen3."""
-    from llmc.pass_manager import CompileOptions
-    from llmc.plan import planned_program
-
-    cfg = tmp_path_factory.mktemp("cfg") / "config.json"
-    cfg.write_text(json.dumps(SMALL))
-    graph, ctx, _, _ = planned_program(str(cfg), CompileOptions(target="npu", chunk=256, max_context=1024, profile="8gen3", prompt_len=1000))
-    return graph, ctx
+    """The SMALL Llama (4 layers, hidden 1024) planned from its config for 8gen3."""
+    return plan_small(tmp_path_factory.mktemp("cfg"))
 
 
 def test_shipped_profiles_have_a_source_for_every_number():

@@ -186,7 +186,6 @@ class _Recorder:
 @pytest.mark.parametrize("depth", [1, 3])
 def test_pool_never_holds_more_than_buffer_bytes(tmp_path, model_dirs, monkeypatch, depth):
     """A buffer of exactly the largest step (so the prefetcher must wait for releases) and a deep one."""
-    from llmc.runtime import Session
 
     plain = _compile(monkeypatch, model_dirs("llama"), tmp_path / "plain")
     tight = _compile(monkeypatch, model_dirs("llama"), tmp_path / "tight", select=_matrices, depth=0)
@@ -368,7 +367,6 @@ def test_smollm2_peak_rss_under_budget(smol_bundles, tmp_path, monkeypatch):
 def test_plan_offload_bundle_runs_like_the_unbudgeted_one(pairs, tmp_path, model_dirs, calib_words):
     """The compiler's own plan (plan_offload under --memory-budget) end to end: compile, honour, same tokens."""
     from llmc.compile import compile_model
-    from llmc.runtime import Session
 
     plain, _ = pairs("llama", "npu", _matrices)
     out = tmp_path / "budget"

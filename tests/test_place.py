@@ -6,24 +6,13 @@ import json
 
 import pytest
 
-from test_cost_model import SMALL
-
-
-def _plan(tmp_path, **kw):
-    from llmc.pass_manager import CompileOptions
-    from llmc.plan import planned_program
-
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(SMALL))
-    opts = dict(target="npu", chunk=256, max_context=1024, profile="8gen3", prompt_len=1000)
-    opts.update(kw)
-    return planned_program(str(cfg), CompileOptions(**opts))
+from conftest import plan_small
 
 
 def test_prefill_on_npu_decode_on_cpu(tmp_path):
     from llmc.analyses import ChunkPlan, Placement
 
-    graph, ctx, _, _ = _plan(tmp_path)
+    graph, ctx = plan_small(tmp_path)
     pl = ctx.get(Placement)
     plan = ctx.get(ChunkPlan)
     graphs = [s.name for s in plan.steps if s.kind == "graph" and s.name != "head"
@@ -50,14 +39,14 @@ def test_profile_without_npu_and_forced_placement(tmp_path):
     cpu_only["numbers"] = {k: v for k, v in cpu_only["numbers"].items() if not k.startswith("npu.") and k != "sync_s"}
     p = tmp_path / "cpuonly.json"
     p.write_text(json.dumps(cpu_only))
-    _, ctx, _, _ = _plan(tmp_path, profile=str(p))
+    _, ctx = plan_small(tmp_path, profile=str(p))
     assert set(ctx.get(Placement).prefill.values()) == set(ctx.get(Placement).decode.values()) == {"cpu"}
 
-    _, ctx, _, _ = _plan(tmp_path, placement="npu")
+    _, ctx = plan_small(tmp_path, placement="npu")
     pl = ctx.get(Placement)
     for st in ctx.get(ChunkPlan).steps:
         want = "npu" if st.kind == "graph" else "cpu"
         assert pl.prefill[st.name] == pl.decode[st.name] == want
 
     with pytest.raises(Exception, match="--placement 'gpu'"):
-        _plan(tmp_path, placement="gpu")
+        plan_small(tmp_path, placement="gpu")

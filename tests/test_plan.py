@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from test_cost_model import SMALL
+from conftest import SMALL
 
 
 def _llmc(*args, env=None):

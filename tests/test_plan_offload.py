@@ -2,28 +2,21 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from test_cost_model import SMALL
+from conftest import plan_small
 
 
-def _plan(tmp_path, budget, **kw):
-    from llmc.pass_manager import CompileOptions
-    from llmc.plan import planned_program
-
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(SMALL))
-    return planned_program(str(cfg), CompileOptions(target="npu", chunk=256, max_context=1024, profile="8gen3", prompt_len=1000,
-                                                    memory_budget=budget, **kw))
+def _plan(tmp_path, budget):
+    return plan_small(tmp_path, memory_budget=budget)
 
 
 def test_half_budget_is_balanced_and_attention_first(tmp_path):
     from llmc.analyses import OffloadPlan
     from llmc.passes.plan_offload import layer_of, preservation_rank
 
-    graph, ctx, _, _ = _plan(tmp_path, "50%")
+    graph, ctx = _plan(tmp_path, "50%")
     o = ctx.get(OffloadPlan)
     size = {w.name: w.nbytes for w in graph.weights}
     assert o.budget_bytes == o.weight_bytes // 2
@@ -60,7 +53,7 @@ def test_budgets_order_and_limits(tmp_path):
         _plan(tmp_path, "1MB")
     with pytest.raises(CompileError, match="cannot read the size"):
         _plan(tmp_path, "lots")
-    _, ctx, _, _ = _plan(tmp_path, None)
+    _, ctx = _plan(tmp_path, None)
     assert not ctx.has(OffloadPlan)
 
 

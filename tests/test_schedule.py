@@ -3,24 +3,16 @@ simulated timeline, and that the runtime follows with exact results."""
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
 
-from conftest import CHUNK, MAX_CONTEXT, hf_logits
-from test_cost_model import SMALL
+from conftest import CHUNK, MAX_CONTEXT, hf_logits, plan_small
 
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    from llmc.pass_manager import CompileOptions
-    from llmc.plan import planned_program
-
-    cfg = tmp_path_factory.mktemp("cfg") / "config.json"
-    cfg.write_text(json.dumps(SMALL))
-    graph, ctx, _, _ = planned_program(str(cfg), CompileOptions(target="npu", chunk=256, max_context=1024, profile="8gen3", prompt_len=1000))
-    return graph, ctx
+    return plan_small(tmp_path_factory.mktemp("cfg"))
 
 
 def _check_order(graph, plan, order, k):
