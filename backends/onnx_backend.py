@@ -36,7 +36,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from llmc import __version__
-from llmc.analyses import ChunkPlan, Subgraph
+from llmc.analyses import ChunkPlan, DecodePlan, Subgraph
 from llmc.errors import UnsupportedModelError
 from llmc.ir import Graph, Node, WeightRef
 
@@ -159,8 +159,42 @@ class _Builder:
             e = self.const(f"{n.name}.ends", np.array([a["end"]], np.int64))
             ax = self.const(f"{n.name}.axes", np.array([1], np.int64))
             self.add("Slice", x + [s, e, ax], y, n.name)
+        elif n.op == "ShadowOutliers":
+            self.shadow_outliers(n, x, y)
         else:
             raise UnsupportedModelError(f"the ONNX backend has no lowering for static op {n.op} (node {n.name})")
+
+    def shadow_outliers(self, n: Node, x: list[str], y: list[str]) -> None:
+        """``y_i = ys_i + (x - clip(x)) @ W_i^T`` over the channels where some row of x is
+        outside ``[lo, hi]`` (found with NonZero, so the matmul is [rows, m] x [m, N] for m
+        outlier channels): the runtime kernel's arithmetic as ONNX ops, for graphs that run
+        on the CPU (``fuse_cpu_decode``)."""
+        a, p = n.attrs, n.name
+        lo = self.const(f"{p}.lo", np.array(a["lo"], np.float32))
+        hi = self.const(f"{p}.hi", np.array(a["hi"], np.float32))
+        flat = self.const(f"{p}.flat", np.array([-1], np.int64))
+        self.add("Clip", [x[0], lo, hi], [f"{p}.clip"], f"{p}.clip")
+        self.add("Sub", [x[0], f"{p}.clip"], [f"{p}.delta"], f"{p}.delta")
+        if self.rows == 1:
+            self.add("Reshape", [f"{p}.delta", flat], [f"{p}.any"], f"{p}.any")
+        else:
+            self.add("Abs", [f"{p}.delta"], [f"{p}.abs"], f"{p}.abs")
+            axes = self.const(f"{p}.axes", np.array([0], np.int64))
+            self.add("ReduceMax", [f"{p}.abs", axes], [f"{p}.any"], f"{p}.any", keepdims=0)
+        self.add("NonZero", [f"{p}.any"], [f"{p}.nz"], f"{p}.nonzero")
+        self.add("Reshape", [f"{p}.nz", flat], [f"{p}.chans"], f"{p}.chans")
+        self.add("Gather", [f"{p}.delta", f"{p}.chans"], [f"{p}.d"], f"{p}.gather_x", axis=1)
+        self.add("Gather", [self.weight(n.weights["weight_t"]), f"{p}.chans"], [f"{p}.w"], f"{p}.gather_w", axis=0)
+        self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr"], f"{p}.corr")
+        parts = [f"{p}.corr"]
+        if len(y) > 1:
+            parts = [f"{p}.corr{i}" for i in range(len(y))]
+            sizes = self.const(f"{p}.splits", np.array(a["splits"], np.int64))
+            self.add("Split", [f"{p}.corr", sizes], parts, f"{p}.split", axis=1)
+        # Sum, not Add: ONNX Runtime would fuse MatMul + Add into a float Gemm before its
+        # QDQ fusion runs, and dequantize the NPU matmul's weights on every call.
+        for i, (ys, out) in enumerate(zip(x[1:], y)):
+            self.add("Sum", [ys, parts[i]], [out], f"{p}.add{i}")
 
     def value_info(self, name: str):
 
@@ -216,7 +250,7 @@ def _check(model, root: Path) -> None:
         onnx.checker.check_model(model, full_check=True)
 
 
-def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], root: Path, placement: str = "cpu",
+def emit_graphs(graph: Graph, plan: ChunkPlan | DecodePlan, weights: dict[str, dict[str, Any]], root: Path, placement: str = "cpu",
                 streamed: frozenset[str] = frozenset(), fed: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
     """Write every subgraph instance; return the manifest's ``graphs`` table.
 
@@ -239,6 +273,7 @@ def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]
             rel = f"graphs/{sub.name}.r{rows}.onnx"
             (root / rel).write_bytes(model.SerializeToString(deterministic=True))
             instances[str(rows)] = {"file": rel, "rows": rows}
+            used = b.used_weights  # the same for every instance; a node may hold weights its lowering does not read
         vals = {v.name: v for n in (graph.node(x) for x in sub.nodes) for v in list(n.inputs) + list(n.outputs)}
         table[sub.name] = {
             "placement": placement,
@@ -246,8 +281,8 @@ def emit_graphs(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]
             "ops": sorted({graph.node(x).op for x in sub.nodes}),
             "inputs": [{"name": n, "features": vals[n].shape[1], "dtype": vals[n].dtype} for n in sub.inputs],
             "outputs": [{"name": n, "features": vals[n].shape[1], "dtype": vals[n].dtype} for n in sub.outputs],
-            "weights": list(sub.weights),
-            "weight_bytes": sum(weights[w]["nbytes"] for w in sub.weights),
+            "weights": used,
+            "weight_bytes": sum(weights[w]["nbytes"] for w in used),
             "instances": instances,
         }
         for key, names in (("streamed", streamed), ("fed", fed)):

@@ -53,6 +53,21 @@ class ChunkPlan:
         raise KeyError(name)
 
 
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """The one-row program decode runs on the CPU (``fuse_cpu_decode``).
+
+    Same values and ops as the :class:`ChunkPlan`'s program, but each shadow-outlier
+    correction is inside the static subgraph around it, so a decode step makes one
+    graph call between two attentions instead of alternating NPU graphs and CPU
+    corrections. Subgraphs are instantiated at one row only.
+    """
+
+    subgraphs: tuple[Subgraph, ...]
+    steps: tuple[Step, ...]
+
+
 # --- quantization -------------------------------------------------------------
 
 

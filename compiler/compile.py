@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from llmc import __version__
-from llmc.analyses import ChunkPlan
+from llmc.analyses import ChunkPlan, DecodePlan
 from llmc.errors import CompileError
 from llmc.pass_manager import CompileOptions, Instrument, ModelInputs, PassContext, format_pipeline, parse_pipeline, run_pipeline
 
@@ -160,6 +160,12 @@ def compile_model(
         graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu",
                                           streamed=frozenset(offload["streamed"]) if offload else frozenset(),
                                           fed=frozenset(offload["resident"]) if offload else frozenset())
+        decode_plan = ctx.get(DecodePlan) if ctx.has(DecodePlan) and offload is None else None
+        if decode_plan is not None:  # the CPU's one-row program (fuse_cpu_decode)
+            # the corrections' float weights are inputs: ONNX Runtime reads every initializer when it loads a graph,
+            # which would page in all of them; fed by pointer, only the rows of outlier channels are touched
+            shadow_t = frozenset(n.weights["weight_t"].name for n in graph.find("ShadowOutliers"))
+            graphs.update(onnx_backend.emit_graphs(graph, decode_plan, weights, root, placement="cpu", fed=shadow_t))
         tok = _write_tokenizer(loaded, root)
         qnn = None
         if target == "npu":
@@ -189,6 +195,8 @@ def compile_model(
             "program": _program(graph, plan),
             "tokenizer": tok,
         }
+        if decode_plan is not None:
+            manifest["decode_program"] = _program(graph, decode_plan)
         predicted = predictions(ctx)
         manifest.update(_plan_sections(ctx, predicted))
         if mlir is not None:
@@ -356,7 +364,7 @@ def _weight_order(graph, plan: ChunkPlan) -> list[str]:
     return order
 
 
-def _program(graph, plan: ChunkPlan) -> list[dict[str, Any]]:
+def _program(graph, plan: ChunkPlan | DecodePlan) -> list[dict[str, Any]]:
     steps = []
     for s in plan.steps:
         d: dict[str, Any] = {"kind": s.kind, "name": s.name, "inputs": list(s.inputs), "outputs": list(s.outputs)}

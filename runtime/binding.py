@@ -18,10 +18,15 @@ import numpy as np
 
 
 class BoundGraph:
-    def __init__(self, session: Any, inputs: Sequence[str], outputs: Sequence[str], rows: int, features: Sequence[int], dtypes: Sequence[str]) -> None:
+    def __init__(self, session: Any, inputs: Sequence[str], outputs: Sequence[str], rows: int, features: Sequence[int], dtypes: Sequence[str],
+                 constants: dict[str, np.ndarray] | None = None) -> None:
         self._session = session
         self._inputs = list(inputs)
         self._binding = session.io_binding()
+        # inputs that never change (weights fed as inputs), bound once; the arrays must outlive the binding
+        self._constants = {n: np.ascontiguousarray(a) for n, a in (constants or {}).items()}
+        for name, a in self._constants.items():
+            self._binding.bind_input(name, "cpu", 0, a.dtype.type, list(a.shape), a.ctypes.data)
         self.outputs = [np.empty((rows, f), np.dtype(d)) for f, d in zip(features, dtypes)]
         for name, arr in zip(outputs, self.outputs):
             self._binding.bind_output(name, "cpu", 0, arr.dtype.type, list(arr.shape), arr.ctypes.data)

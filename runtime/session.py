@@ -115,12 +115,12 @@ class Session:
         self.residency = Residency(self.bundle, m, prefetch=prefetch) if "offload" in m else None
         self._weights: dict[str, Any] = self.residency.weights if self.residency else map_weights(self.bundle, m["weights"])
         self._ortvalues: dict[str, Any] = {}
-        self._fed: dict[str, dict[str, np.ndarray]] = {}  # graph -> resident weights fed as inputs (budgeted bundles)
+        self._fed: dict[str, dict[str, np.ndarray]] = {}  # graph -> weights that are graph inputs, fed from memory
         self._sessions: dict[tuple[str, int], Any] = {}
         self._attn_layers = {
             s["attrs"]["layer"]: (s["attrs"]["num_kv_heads"], s["attrs"]["head_dim"]) for s in self.program if s["kind"] == "op" and s["op"] == "Attention"
         }
-        self._head_steps = self._downstream_of_select()
+        self._head_steps = self._downstream_of_select(self.program)
         self._step_index = {st["name"]: i for i, st in enumerate(self.program)}
         self._head = next((self.program[i]["name"] for i in sorted(self._head_steps) if self.program[i]["kind"] == "graph"), None)
         # the compiled schedule: issue orders per chunk count, processor per step and phase
@@ -156,6 +156,13 @@ class Session:
                 runs[st["name"]] = runs.get(st["name"], 0) + 1
         self._reusable = {self.program[i]["name"] for i in range(len(self.program))
                           if self.program[i]["kind"] == "graph" and runs[self.program[i]["name"]] == 1 and i not in self._head_steps}
+        # The CPU's one-row decode program (fuse_cpu_decode), when decode runs on the CPU.
+        self._decode_program: list[dict[str, Any]] | None = None
+        if "decode_program" in m and self._decode_on_cpu():
+            self._decode_program = m["decode_program"]
+            tail = self._downstream_of_select(self._decode_program)
+            self._reusable |= {st["name"] for i, st in enumerate(self._decode_program) if st["kind"] == "graph" and i not in tail}
+        self._decode_graphs = {st["name"] for st in m.get("decode_program", []) if st["kind"] == "graph"}
         self._bound: dict[tuple[str, int], BoundGraph] = {}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
@@ -191,10 +198,18 @@ class Session:
             return "qnn"
         return "cpu"
 
-    def _downstream_of_select(self) -> set[int]:
+    def _decode_on_cpu(self) -> bool:
+        """Whether every decode graph runs on the CPU: the provider is ``cpu``, or the
+        placement keeps decode off the NPU."""
+        if self.provider == "cpu":
+            return True
+        return all(self._placement["decode"].get(st["name"], "npu") == "cpu" for st in self.program if st["kind"] == "graph")
+
+    @staticmethod
+    def _downstream_of_select(program: list[dict[str, Any]]) -> set[int]:
         tainted: set[str] = set()
         steps: set[int] = set()
-        for i, s in enumerate(self.program):
+        for i, s in enumerate(program):
             if (s["kind"] == "op" and s["op"] == "SelectRows") or tainted.intersection(s["inputs"]):
                 steps.add(i)
                 tainted.update(s["outputs"])
@@ -252,9 +267,14 @@ class Session:
         # Dozens of sessions run one after another: spinning worker threads of
         # an idle session would steal the cores from the one that is running.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # No per-session arena: each would keep its peak activations (a 256-row chunk's) for good,
+        # a few MB times a hundred sessions; freeing after each run measured as fast.
+        so.enable_cpu_mem_arena = False
         streamed = g.get("streamed", [])
         budgeted = self.residency.session_options(ort, so) if self.residency is not None else {}  # copy no resident weight
-        fed = g.get("fed", [])  # resident weights that are graph inputs: ORT keeps a copy of each initializer per session
+        # weights that are graph inputs: a budgeted bundle's resident ones (ORT keeps a copy of each initializer
+        # per session) and the decode program's shadow weights (ORT reads every initializer when it loads a graph)
+        fed = g.get("fed", [])
         names = [n for n in g["weights"] if n not in streamed and n not in fed]
         for n in names:
             if n not in self._ortvalues:
@@ -276,6 +296,12 @@ class Session:
         for name, g in self.graphs.items():
             for rows in g["instances"]:
                 phase = "decode" if int(rows) == 1 and name != self._head else "prefill"
+                if name in self._decode_graphs:
+                    if self._decode_program is None:
+                        continue
+                    phase = "decode"
+                elif phase == "decode" and self._decode_program is not None:
+                    continue  # decode runs the fused program
                 self._session(name, int(rows), self._placement[phase].get(name, "npu"))
         self.reset()
         for s in self.program:
@@ -323,17 +349,22 @@ class Session:
                               hint="the bundle was made by a newer llmc; upgrade the runtime")
         buf.update(zip(s["outputs"], res))
 
-    def _run_chunk(self, ids: np.ndarray, n: int, logit_rows: np.ndarray | None) -> np.ndarray | None:
-        """Run the whole program on ``ids`` (padded to an instance size) of which ``n`` are real."""
+    def _run_chunk(self, ids: np.ndarray, n: int, logit_rows: np.ndarray | None, program: list[dict[str, Any]] | None = None) -> np.ndarray | None:
+        """Run the whole program (or ``program``, which has no steps to skip) on ``ids``
+        (padded to an instance size) of which ``n`` are real."""
         start = self.position
         if start + n > self.max_context:
             raise PromptTooLongError(f"sequence would reach {start + n} tokens; this bundle was compiled with --max-context {self.max_context}")
         buf = self._feeds(ids, start)
         phase = "decode" if ids.shape[0] == 1 else "prefill"
-        for i, s in enumerate(self.program):
-            if logit_rows is None and i in self._head_steps:
-                continue
-            self._run_step(s, buf, start, n, logit_rows, phase)
+        if program is not None:
+            for s in program:
+                self._run_step(s, buf, start, n, logit_rows, phase)
+        else:
+            for i, s in enumerate(self.program):
+                if logit_rows is None and i in self._head_steps:
+                    continue
+                self._run_step(s, buf, start, n, logit_rows, phase)
         self.position = start + n
         if logit_rows is None:
             return None
@@ -411,17 +442,17 @@ class Session:
         processor = self._placement[phase].get(name, "npu")
         sess, prefix = self._session(name, rows, processor)
         on_qnn = self.provider == "qnn" and processor == "npu" and name in self.manifest["qnn"]["graphs"]
-        i = self._step_index[name]
+        i = self._step_index.get(name)
         streamed = self.residency is not None and i in self.residency.streaming.by_step
-        if rows == 1 and name in self._reusable and not on_qnn and not streamed and name not in self._fed:
+        if rows == 1 and name in self._reusable and not on_qnn and not streamed:
             bound = self._bound.get((name, rows))
             if bound is None:
                 outs = self.graphs[name]["outputs"]
                 bound = self._bound[(name, rows)] = BoundGraph(sess, s["inputs"], s["outputs"], rows,
-                                                               [o["features"] for o in outs], [o["dtype"] for o in outs])
+                                                               [o["features"] for o in outs], [o["dtype"] for o in outs], self._fed.get(name))
             return bound([buf[x] for x in s["inputs"]])
         feeds = {prefix + x: buf[x] for x in s["inputs"]}
-        if name in self._fed:  # budgeted bundle: resident weights are inputs
+        if name in self._fed:  # weights that are inputs
             feeds.update(self._fed[name])
         names = [prefix + o for o in s["outputs"]]
         if not streamed:
@@ -475,7 +506,7 @@ class Session:
         """Feed one token through the decode instances; return its logits."""
         if self.residency is not None:
             self.residency.streaming.schedule(self._steps(True), then_repeat=self._steps(True))
-        return self._run_chunk(np.array([token], np.int64), 1, np.array([0]))[0]
+        return self._run_chunk(np.array([token], np.int64), 1, np.array([0]), self._decode_program)[0]
 
     # -- text ----------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -1,0 +1,51 @@
+"""fuse_cpu_decode: one CPU graph between two attentions for decode.
+
+The chunk program cuts at every shadow-outlier correction, because on the phone
+the quantized subgraphs run on the NPU and the float outlier part on the CPU.
+When decode runs on the CPU that cut only costs calls: a SmolLM2 token makes
+121 graph calls and 121 corrections in Python. This pass cuts the model again
+with ``ShadowOutliers`` treated as a static op, so the correction
+(``y_i += (x - clip(x)) @ W_i^T`` over the channels that hold outliers, with the
+channel set found in the graph) is lowered into the ONNX subgraph around it:
+per layer, "o_proj + residual + norm + MLP + residual + next norm + next q/k/v",
+one call, with attention between. The results are the same numbers the chunk
+program computes; only where the correction runs changes.
+
+The runtime uses this program for decode when the CPU runs it (``--provider
+cpu``); the QNN provider keeps the chunk program's one-row instances. Bundles
+compiled with a memory budget stream weights per step of the chunk program, so
+the pass does nothing for them; nor without shadow outliers, where the chunk
+program's one-row instances are already maximal.
+
+Produces :class:`llmc.analyses.DecodePlan`; the IR is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from llmc.analyses import ChunkPlan, DecodePlan
+from llmc.ir import Graph
+from llmc.pass_manager import Pass, PassContext, PassResult
+from llmc.passes.chunk_static_graphs import cut
+
+log = logging.getLogger(__name__)
+
+
+class FuseCpuDecode(Pass):
+    name = "fuse_cpu_decode"
+    summary = "decode program for the CPU: shadow corrections inside the graphs, one graph call between attentions"
+    requires = (ChunkPlan,)
+    produces = ()  # DecodePlan, only when there are shadow corrections and no memory budget
+
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        if not graph.find("ShadowOutliers"):
+            return PassResult(False)
+        if ctx.options.memory_budget:
+            log.info("%s: skipped, a budgeted bundle streams weights per step of the chunk program", self.name)
+            return PassResult(False)
+        subgraphs, steps = cut(graph, (1,), lambda n: not n.schema.is_static and n.op != "ShadowOutliers", self.name, prefix="decode", head="decode_head")
+        before = sum(1 for s in ctx.get(ChunkPlan).steps)
+        log.info("%s: %d decode steps instead of %d (%d graphs)", self.name, len(steps), before, len(subgraphs))
+        ctx.put(DecodePlan(subgraphs, steps))
+        return PassResult(False)

@@ -1,0 +1,134 @@
+"""fuse_cpu_decode: the shadow correction lowered to ONNX, and the one-row CPU decode program."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import CHUNK, MAX_CONTEXT
+
+
+def _shadow_graph(rows: int, K: int, splits: list[int], weight_t: np.ndarray, lo: float, hi: float):
+    from llmc.analyses import Subgraph
+    from llmc.ir import Graph
+
+    g = Graph("shadow")
+    wt = g.weights.add("wt", weight_t.shape, "float32", lambda: weight_t)
+    hot = g.weights.add("hot", (1, weight_t.shape[1]), "float32", lambda: np.zeros((1, weight_t.shape[1]), np.float32))
+    x = g.add_input("x", (rows, K), "float32")
+    ys = [g.add_input(f"y{i}", (rows, n), "float32") for i, n in enumerate(splits)]
+    node = g.add_node("ShadowOutliers", [x, *ys], attrs={"lo": lo, "hi": hi, "hot_channels": [], "splits": splits},
+                      weights={"weight_t": wt, "hot_rows": hot})
+    g.set_outputs(node.outputs)
+    sub = Subgraph("s", (node.name,), tuple(v.name for v in [x, *ys]), tuple(v.name for v in node.outputs), ("wt", "hot"), (rows,))
+    return g, sub
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_onnx_shadow_matches_float_matmul(tmp_path, rows):
+    """clip(x) @ W (the NPU part) + the in-graph correction == x @ W; no outliers leaves y as is."""
+    import onnxruntime as ort
+
+    from llmc.backends.onnx_backend import emit_graphs, write_weights
+
+    rng = np.random.default_rng(rows)
+    K, splits = 32, [24, 8]
+    W = rng.standard_normal((sum(splits), K)).astype(np.float32)
+    lo, hi = -2.0, 2.0
+    g, sub = _shadow_graph(rows, K, splits, np.ascontiguousarray(W.T), lo, hi)
+
+    class Plan:
+        subgraphs = (sub,)
+
+    weights = write_weights(g, ["wt", "hot"], tmp_path)
+    table = emit_graphs(g, Plan, weights, tmp_path)
+    assert table["s"]["weights"] == ["wt"]  # hot_rows is for the runtime kernel only
+    so = ort.SessionOptions()
+    wt = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(W.T))
+    so.add_external_initializers(["wt"], [wt])  # as the runtime feeds weights
+    sess = ort.InferenceSession((tmp_path / table["s"]["instances"][str(rows)]["file"]).read_bytes(), so, providers=["CPUExecutionProvider"])
+    for planted in ([(0, 3, 9.0), (rows - 1, 17, -7.5), (0, 30, 4.0)], []):
+        x = rng.uniform(-1.9, 1.9, (rows, K)).astype(np.float32)
+        for r, c, v in planted:
+            x[r, c] = v
+        ys = np.clip(x, lo, hi) @ W.T
+        feeds = {"x": x, "y0": ys[:, :24].copy(), "y1": ys[:, 24:].copy()}
+        got = np.concatenate(sess.run(None, feeds), axis=1)
+        np.testing.assert_allclose(got, x @ W.T, rtol=1e-5, atol=1e-4)
+        if not planted:
+            np.testing.assert_array_equal(got, ys)
+
+
+@pytest.fixture(scope="module")
+def npu_bundle(tmp_path_factory, model_dirs, calib_words):
+    from llmc.compile import compile_model
+
+    out = tmp_path_factory.mktemp("fused") / "npu"
+    compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, calib_file=str(calib_words), calib_tokens=256)
+    return out
+
+
+def test_decode_program_shape(npu_bundle):
+    """One graph between two attentions, the corrections inside it, weights shared with the chunk program."""
+    import json
+
+    m = json.loads((npu_bundle / "manifest.json").read_text())
+    dp, prog = m["decode_program"], m["program"]
+    layers = sum(1 for s in prog if s.get("op") == "Attention")
+    assert not [s for s in dp if s.get("op") == "ShadowOutliers"]
+    assert sum(1 for s in prog if s.get("op") == "ShadowOutliers") > layers  # the cut it removes
+    graphs = [s["name"] for s in dp if s["kind"] == "graph"]
+    assert len(graphs) == layers + 2  # before each attention, after the last one, the head
+    assert all(m["graphs"][g]["placement"] == "cpu" and set(m["graphs"][g]["instances"]) == {"1"} for g in graphs)
+    assert "ShadowOutliers" in m["graphs"][graphs[1]]["ops"]
+    chunk_weights = {w for s in prog if s["kind"] == "graph" for w in m["graphs"][s["name"]]["weights"]}
+    shadow_weights = {s["weights"]["weight_t"] for s in prog if s.get("op") == "ShadowOutliers"}
+    assert {w for g in graphs for w in m["graphs"][g]["weights"]} <= chunk_weights | shadow_weights
+
+
+def test_fused_decode_matches_ir_and_chunk_program(npu_bundle, model_dirs, calib_words):
+    """Decode through the fused program gives the IR's logits (the interpreter runs the same
+    quantized graph) and the chunk program's; the QNN-style program is still there."""
+    from test_quantization import _ctx, _run
+
+    from llmc.interpreter import Interpreter
+    from llmc.runtime import Session
+
+    ids = [int(t) for t in np.random.default_rng(7).integers(4, 120, size=CHUNK + 5)]
+    g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_words))
+    _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
+    ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
+    fused, chunked = Session(npu_bundle, "cpu"), Session(npu_bundle, "cpu")
+    assert fused._decode_program is not None
+    chunked._decode_program = None
+    for s in (fused, chunked):
+        s.reset()
+        s.prefill(ids[:CHUNK])
+    got = []
+    for i in range(CHUNK, len(ids)):
+        a, b = fused.decode(ids[i]), chunked.decode(ids[i])
+        got.append((a, a.copy()))
+        np.testing.assert_allclose(a, ref[i], atol=2e-3 * np.abs(ref[i]).max())
+        np.testing.assert_allclose(a, b, atol=2e-3 * np.abs(b).max())
+    for a, kept in got:  # logits handed out are never a buffer a later step reuses
+        np.testing.assert_array_equal(a, kept)
+
+
+def test_pass_on_a_planned_model_and_when_it_stands_aside(tmp_path):
+    from conftest import plan_small
+
+    from llmc.analyses import ChunkPlan, DecodePlan
+    from llmc.passes import FuseCpuDecode
+
+    graph, ctx = plan_small(tmp_path)
+    FuseCpuDecode().run(graph, ctx)
+    dp, cp = ctx.get(DecodePlan), ctx.get(ChunkPlan)
+    assert len(dp.steps) < len(cp.steps) and {s.row_counts for s in dp.subgraphs} == {(1,)}
+    assert [s.name for s in dp.steps if s.kind == "op"] == [s.name for s in cp.steps if s.kind == "op" and graph.node(s.name).op != "ShadowOutliers"]
+
+    graph, ctx = plan_small(tmp_path, memory_budget="50%")  # streamed per step of the chunk program
+    FuseCpuDecode().run(graph, ctx)
+    assert not ctx.has(DecodePlan)
+    graph, ctx = plan_small(tmp_path, target="cpu")  # no shadow corrections: the chunk program is already maximal
+    FuseCpuDecode().run(graph, ctx)
+    assert not graph.find("ShadowOutliers") and not ctx.has(DecodePlan)
