@@ -200,6 +200,8 @@ def profile_host(out, threads, as_json):
         click.echo(json.dumps(prof.as_json(), indent=1, sort_keys=True))
     for k in sorted(prof.values):
         click.echo(f"  {k:<28} {prof.values[k]:.4g}")
+    for k, rows in sorted(prof.tables.items()):
+        click.echo(f"  {k:<28} table of {len(rows)} measurements")
     click.echo(f"wrote {path}")
 
 
@@ -221,6 +223,8 @@ def profiles(name):
     click.echo(f"{p.name}: {p.description}  [{p.path}]")
     for k in sorted(p.values):
         click.echo(f"  {k:<28} {p.values[k]:.4g}\n      source: {p.sources[k]}")
+    for k, rows in sorted(p.tables.items()):
+        click.echo(f"  {k:<28} " + ", ".join(f"{' x '.join(f'{x:g}' for x in r[:-1])}: {r[-1]:.3g}" for r in rows) + f"\n      source: {p.sources[k]}")
 
 
 def _make_session(bundle, provider, threads, prefetch=True):

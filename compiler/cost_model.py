@@ -12,7 +12,9 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   NPU ``max(2RKN / npu.int8_ops_per_s, KN / npu.weight_bytes_per_s)``;
   CPU ``max(2RKN / cpu.int8_ops_per_s, KN / cpu.mem_bytes_per_s, 2KN /
   cpu.int8_gemv_ops_per_s)`` (the last: one pass of the weights through the
-  integer kernel, which on CPUs without a fast integer GEMV bounds decode).
+  integer kernel, which on CPUs without a fast integer GEMV bounds decode;
+  a profile with the measured table ``cpu.int8_gemv_s`` interpolates it at
+  (K, N) instead, see :func:`gemv_table_seconds`).
   A ``Linear`` placed on the NPU of a target that quantizes is costed as QLinear.
 * element-wise and norms: bytes moved (inputs + output, 4 bytes per value on
   the CPU, 2 on the NPU's 16-bit activations) / ``mem_bytes_per_s``.
@@ -29,6 +31,13 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
 * Every graph step adds its processor's ``launch_s``, every dynamic op step
   ``cpu.op_launch_s`` (default ``cpu.launch_s``); a hand-off between CPU and NPU
   adds ``sync_s`` (the ``place`` and ``schedule`` passes charge it).
+* A graph on the CPU also pays ``cpu.node_s`` (default 0) per kernel it runs:
+  QLinear 2 (quantize, integer matmul), ShadowOutliers lowered into a graph 8
+  plus one per output and a split, everything else 1. At one row these fixed
+  costs are a large part of a decode step.
+* Decode follows the program the runtime runs: the ``fuse_cpu_decode`` program
+  (:class:`~llmc.analyses.DecodePlan`) when every decode graph is placed on the
+  CPU, else the chunk program at one row.
 * Weight I/O for streamed weights: ``bytes / storage.read_bytes_per_s``.
 """
 
@@ -36,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from llmc.analyses import ChunkPlan, ShadowPlan, Step
+from llmc.analyses import ChunkPlan, DecodePlan, ShadowPlan, Step, Subgraph
 from llmc.device_profile import DeviceProfile
 from llmc.ir import Graph, Node
 
@@ -58,6 +67,15 @@ class CostModel:
     profile: DeviceProfile
     shadow: ShadowPlan | None = None
     quantized: bool = False
+    decode_plan: DecodePlan | None = None
+
+    def subgraph(self, name: str) -> Subgraph:
+        """A subgraph of the chunk program or of the CPU decode program."""
+        if self.decode_plan is not None:
+            for s in self.decode_plan.subgraphs:
+                if s.name == name:
+                    return s
+        return self.plan.subgraph(name)
 
     # -- nodes -----------------------------------------------------------------
     def node_seconds(self, node: Node, rows: int, n: int, keys: int, proc: str) -> float:
@@ -74,7 +92,9 @@ class CostModel:
                 return ops / p["npu.fp16_ops_per_s"]
             if op == "QLinear":
                 gemv = p.get("cpu.int8_gemv_ops_per_s")
-                floor = 2.0 * k * nout / gemv if gemv else 0.0  # one pass of the weights through the integer kernel
+                table = p.tables.get("cpu.int8_gemv_s")
+                # one pass of the weights through the integer kernel
+                floor = gemv_table_seconds(table, k, nout) if table else 2.0 * k * nout / gemv if gemv else 0.0
                 return max(ops / p["cpu.int8_ops_per_s"], k * nout / p["cpu.mem_bytes_per_s"], floor)
             return max(ops / p["cpu.fp32_flops_per_s"], 4.0 * k * nout / p["cpu.mem_bytes_per_s"])
         if op in ELEMENTWISE:
@@ -120,8 +140,10 @@ class CostModel:
     def step_seconds(self, step: Step, rows: int, n: int, keys: int, proc: str) -> float:
         """One step: its nodes plus the processor's launch cost."""
         if step.kind == "graph":
-            nodes = self.plan.subgraph(step.name).nodes
+            nodes = self.subgraph(step.name).nodes
             t = self.profile[f"{proc}.launch_s"]
+            if proc == "cpu":
+                t += self.profile.get("cpu.node_s", 0.0) * sum(_kernels(self.graph.node(n)) for n in nodes)
         else:
             nodes = (step.name,)
             t = self.profile.get("cpu.op_launch_s") or self.profile["cpu.launch_s"]
@@ -132,11 +154,50 @@ class CostModel:
     def weight_bytes(self, step: Step) -> int:
         """Bytes of the weights a step reads (whole tensors; tables read by row count their rows)."""
         if step.kind == "graph":
-            return sum(self.graph.weights[w].nbytes for w in self.plan.subgraph(step.name).weights)
+            return sum(self.graph.weights[w].nbytes for w in self.subgraph(step.name).weights)
         return 0
 
     def io_seconds(self, nbytes: float) -> float:
         return nbytes / self.profile["storage.read_bytes_per_s"]
+
+
+def gemv_table_seconds(rows: list[list[float]], k: int, n: int) -> float:
+    """Seconds of a one-row int8 matmul ``[1,K]x[K,N]`` from a measured ``[K, N, seconds]`` grid.
+
+    Bilinear in (log K, log N) on log seconds inside the grid; outside it the nearest
+    edge point, scaled by the extra work (K·N) beyond the largest measured shape (a
+    bigger matmul streams proportionally more) and not scaled below the smallest
+    (fixed costs dominate there).
+    """
+    import math
+
+    ks = sorted({r[0] for r in rows})
+    ns = sorted({r[1] for r in rows})
+    t = {(r[0], r[1]): r[2] for r in rows}
+
+    def bracket(axis: list[float], v: float) -> tuple[float, float, float]:
+        v = min(max(v, axis[0]), axis[-1])
+        hi = next(i for i, a in enumerate(axis) if a >= v)
+        lo = max(hi - 1, 0)
+        if axis[hi] == axis[lo]:
+            return axis[lo], axis[hi], 0.0
+        return axis[lo], axis[hi], (math.log(v) - math.log(axis[lo])) / (math.log(axis[hi]) - math.log(axis[lo]))
+
+    k0, k1, fk = bracket(ks, k)
+    n0, n1, fn = bracket(ns, n)
+    lg = ((1 - fk) * (1 - fn) * math.log(t[(k0, n0)]) + fk * (1 - fn) * math.log(t[(k1, n0)])
+          + (1 - fk) * fn * math.log(t[(k0, n1)]) + fk * fn * math.log(t[(k1, n1)]))
+    return math.exp(lg) * max(k / ks[-1], 1.0) * max(n / ns[-1], 1.0)
+
+
+def _kernels(node: Node) -> int:
+    """ONNX Runtime kernels the ONNX backend's lowering of ``node`` runs (after ORT's fusions)."""
+    if node.op == "QLinear":
+        return 2
+    if node.op == "ShadowOutliers":
+        splits = len(node.attrs["splits"])
+        return 8 + splits + (1 if splits > 1 else 0)
+    return 1
 
 
 def _features(shape: tuple[int, ...]) -> int:

@@ -19,12 +19,17 @@ Keys (SI units: seconds, bytes, operations):
   (fixed cost of a dynamic op such as attention; default ``launch_s``),
   ``int8_gemv_ops_per_s`` (one-row int8 matmul rate, a floor on any int8
   weight pass; default: no floor), ``kv_bytes_per_s`` (one-row attention's
-  K/V read rate; default ``mem_bytes_per_s``) — optional;
+  K/V read rate; default ``mem_bytes_per_s``), ``node_s`` (fixed cost of each
+  kernel inside a CPU graph; default 0) — optional;
 * ``npu.*``: ``int8_ops_per_s`` (compute ceiling), ``weight_bytes_per_s`` (rate its
   matmuls stream int8 weights), ``fp16_ops_per_s``, ``mem_bytes_per_s``,
   ``launch_s`` — all or none (a profile without them has no NPU);
 * ``sync_s``: one CPU<->NPU hand-off (required with an NPU);
 * ``memory.ram_bytes``, ``memory.npu_addressable_bytes``, ``storage.read_bytes_per_s``.
+
+Optional ``tables`` hold measured shape-dependent costs: ``cpu.int8_gemv_s`` rows
+``[K, N, seconds]`` of one one-row int8 matmul with its weights coming from
+memory (a small matmul's fixed cost dominates, so no single rate fits all sizes).
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 CPU_KEYS = ("cpu.int8_ops_per_s", "cpu.fp32_flops_per_s", "cpu.attention_flops_per_s", "cpu.mem_bytes_per_s", "cpu.launch_s")
 NPU_KEYS = ("npu.int8_ops_per_s", "npu.weight_bytes_per_s", "npu.fp16_ops_per_s", "npu.mem_bytes_per_s", "npu.launch_s")
 OTHER_KEYS = ("memory.ram_bytes", "storage.read_bytes_per_s")
-OPTIONAL_KEYS = ("sync_s", "memory.npu_addressable_bytes", "cpu.op_launch_s", "cpu.int8_gemv_ops_per_s", "cpu.kv_bytes_per_s")
+# optional measured tables and their row widths
+TABLE_COLUMNS = {"cpu.int8_gemv_s": 3}  # K, N, seconds of one one-row QLinear [1,K]x[K,N] with weights from memory
+OPTIONAL_KEYS = ("sync_s", "memory.npu_addressable_bytes", "cpu.op_launch_s", "cpu.int8_gemv_ops_per_s", "cpu.kv_bytes_per_s", "cpu.node_s")
 
 
 class ProfileError(LlmcError):
@@ -56,6 +63,8 @@ class DeviceProfile:
     values: dict[str, float]
     sources: dict[str, str]
     path: str
+    # measured tables: name -> rows of numbers (e.g. ``cpu.int8_gemv_s``: [K, N, seconds]); sources in ``sources``
+    tables: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
 
     @property
     def has_npu(self) -> bool:
@@ -71,8 +80,11 @@ class DeviceProfile:
         return self.values.get(key, default)
 
     def as_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "name": self.name, "description": self.description,
-                "numbers": {k: {"value": self.values[k], "source": self.sources[k]} for k in sorted(self.values)}}
+        d = {"schema": SCHEMA, "name": self.name, "description": self.description,
+             "numbers": {k: {"value": self.values[k], "source": self.sources[k]} for k in sorted(self.values)}}
+        if self.tables:
+            d["tables"] = {k: {"rows": self.tables[k], "source": self.sources[k]} for k in sorted(self.tables)}
+        return d
 
 
 def user_profile_dir() -> Path:
@@ -98,6 +110,18 @@ def parse(data: Any, where: str) -> DeviceProfile:
             raise ProfileError(f"{where}: number {key!r} must be positive, is {entry['value']}")
         values[key] = float(entry["value"])
         sources[key] = entry["source"]
+    tables = {}
+    for key, entry in (data.get("tables") or {}).items():
+        rows = entry.get("rows") if isinstance(entry, dict) else None
+        if (key not in TABLE_COLUMNS or not isinstance(rows, list) or not rows or not isinstance(entry.get("source"), str)
+                or any(not isinstance(r, list) or len(r) != TABLE_COLUMNS[key] or not all(isinstance(x, (int, float)) and x > 0 for x in r) for r in rows)):
+            raise ProfileError(f"{where}: table {key!r} needs \"rows\" of {TABLE_COLUMNS.get(key, '?')} positive numbers and a \"source\"",
+                               hint="known tables: " + ", ".join(TABLE_COLUMNS))
+        tables[key] = [[float(x) for x in r] for r in rows]
+        grid = {(r[0], r[1]) for r in tables[key]}
+        if len(grid) != len({r[0] for r in grid}) * len({r[1] for r in grid}) or len(grid) != len(rows):
+            raise ProfileError(f"{where}: table {key!r} must hold each (K, N) of a full grid once")
+        sources[key] = entry["source"]
     missing = [k for k in CPU_KEYS + OTHER_KEYS if k not in values]
     npu = [k for k in NPU_KEYS if k in values]
     if npu and len(npu) != len(NPU_KEYS):
@@ -106,7 +130,7 @@ def parse(data: Any, where: str) -> DeviceProfile:
         missing.append("sync_s")
     if missing:
         raise ProfileError(f"{where} lacks {', '.join(missing)}", hint="every profile needs the cpu.*, memory.ram_bytes and storage.read_bytes_per_s numbers; an NPU needs all npu.* and sync_s")
-    return DeviceProfile(str(data.get("name") or Path(where).stem), str(data.get("description", "")), values, sources, where)
+    return DeviceProfile(str(data.get("name") or Path(where).stem), str(data.get("description", "")), values, sources, where, tables)
 
 
 def load(name_or_path: str) -> DeviceProfile:

@@ -10,19 +10,27 @@ model end to end:
 * ``cpu.int8_ops_per_s``: the backend's QLinear pattern (QuantizeLinear,
   DequantizeLinear, per-channel uint8 weights, MatMul; ONNX Runtime fuses it
   into an integer matmul) over the same shapes, median;
-* ``cpu.int8_gemv_ops_per_s``: the same QLinear pattern at one row (decode): on
-  CPUs without a fast integer GEMV this, not memory, bounds int8 decode;
+* ``cpu.int8_gemv_ops_per_s``: the same QLinear pattern at one row (decode), with
+  48 MB of weights per run so they come from memory: on CPUs without a fast
+  integer GEMV this, not memory bandwidth, bounds int8 decode;
+* ``cpu.node_s``: the fixed cost of one more small kernel inside a graph (a
+  chain of one-row shadow corrections, nine dynamically shaped kernels each): a
+  decode graph is dozens of kernels on tiny tensors;
+* table ``cpu.int8_gemv_s``: the one-row QLinear's seconds on a grid of (K, N),
+  weights from memory: small matmuls are dominated by fixed costs, large ones
+  by the kernel's streaming rate, and no single rate fits both;
 * ``cpu.mem_bytes_per_s``: one-row ``Gemm`` against 64 MB of float32 weights
   (what decode does: stream every weight once);
 * ``cpu.kv_bytes_per_s``: the one-row attention's cost per cached key, as bytes
-  of K and V read per second (the slope between 128 and 2048 keys);
+  of K and V read per second (the slope between 128 and 2048 keys, calls going
+  round 32 layers' caches so K/V come from memory);
 * ``cpu.attention_flops_per_s``: the runtime's attention path
   (:class:`llmc.runtime.ort_attention.OrtAttention`), 256 new rows over 1024
   keys, 16 heads of 64 (4 KV heads);
 * ``cpu.launch_s``: one ``run`` of a one-node graph from Python, as the
   runtime calls every graph step;
 * ``cpu.op_launch_s``: the fixed cost of a dynamic op step: the runtime's
-  attention for one row over 8 keys;
+  attention (rotary embedding included) for one row over 8 keys;
 * ``storage.read_bytes_per_s``: reading a 256 MB file with ``O_DIRECT``
   (bypassing the page cache, like weights streamed from flash);
 * ``memory.ram_bytes``: ``MemTotal`` of ``/proc/meminfo``.
@@ -50,6 +58,9 @@ log = logging.getLogger(__name__)
 
 GEMM_SHAPES = ((576, 1536), (1536, 576), (1024, 1024), (2048, 2048), (2048, 5632))
 ROWS = 256
+GEMV_BYTES = 48 << 20  # one-row int8 probes stream this much weight per run: more than a CPU's caches
+GEMV_K = (576, 1536, 2048, 4096)  # the one-row int8 table's grid (covers 135M to 7B models' Linears)
+GEMV_N = (192, 576, 1536, 3072, 5632, 11008)
 
 
 def _median_seconds(fn: Callable[[], object], min_time: float = 0.2, min_runs: int = 5) -> float:
@@ -97,29 +108,59 @@ def gemm_seconds(rows: int, k: int, n: int, threads: int) -> float:
     return _median_seconds(lambda: s.run(None, {"x": x}))
 
 
-def qlinear_seconds(rows: int, k: int, n: int, threads: int) -> float:
-    """The ONNX backend's QLinear lowering: uint8 activations (zero point 128), per-channel uint8 weights."""
+def qlinear_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) -> float:
+    """The ONNX backend's QLinear lowering: uint8 activations (zero point 128), per-channel uint8 weights.
+
+    With ``copies`` > 1 the graph holds that many independent QLinears of the shape and the
+    result is per QLinear: enough copies that their weights exceed the caches make each one
+    stream its weights from memory, as a decode step does.
+    """
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    inits = [
-        numpy_helper.from_array(rng.integers(1, 256, size=(k, n), dtype=np.uint8), "wq"),
-        numpy_helper.from_array(np.full(n, 0.01, np.float32), "ws"),
-        numpy_helper.from_array(np.full(n, 128, np.uint8), "wz"),
-        numpy_helper.from_array(np.array(0.05, np.float32), "xs"),
-        numpy_helper.from_array(np.array(128, np.uint8), "xz"),
-    ]
-    nodes = [
-        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
-        helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xdq"]),
-        helper.make_node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=1),
-        helper.make_node("MatMul", ["xdq", "w"], ["y"]),
-    ]
-    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
-               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])], inits)
+    inits = [numpy_helper.from_array(np.full(n, 0.01, np.float32), "ws"), numpy_helper.from_array(np.full(n, 128, np.uint8), "wz"),
+             numpy_helper.from_array(np.array(0.05, np.float32), "xs"), numpy_helper.from_array(np.array(128, np.uint8), "xz")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]), helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xdq"])]
+    outputs = []
+    for c in range(copies):
+        inits.append(numpy_helper.from_array(rng.integers(1, 256, size=(k, n), dtype=np.uint8), f"wq{c}"))
+        nodes += [helper.make_node("DequantizeLinear", [f"wq{c}", "ws", "wz"], [f"w{c}"], axis=1),
+                  helper.make_node("MatMul", ["xdq", f"w{c}"], [f"y{c}"])]
+        outputs.append(helper.make_tensor_value_info(f"y{c}", TensorProto.FLOAT, [rows, n]))
+    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])], outputs, inits)
     s = _session(m, threads)
     x = rng.standard_normal((rows, k), dtype=np.float32)
-    return _median_seconds(lambda: s.run(None, {"x": x}))
+    return _median_seconds(lambda: s.run(None, {"x": x})) / copies
+
+
+def node_seconds(threads: int, links: int = 16, k: int = 576) -> float:
+    """The fixed cost of one more small kernel inside a graph, from a chain of the ONNX
+    backend's one-row shadow correction (``y + (x - clip(x))[chans] @ W_t[chans]`` with
+    ``chans = NonZero(...)``: nine kernels on tiny, dynamically shaped tensors), per kernel."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+
+    def chain(count: int) -> float:
+        inits = [numpy_helper.from_array(np.array(-1.0, np.float32), "lo"), numpy_helper.from_array(np.array(1.0, np.float32), "hi"),
+                 numpy_helper.from_array(np.array([-1], np.int64), "flat")]
+        nodes, prev = [], "x"
+        for i in range(count):
+            p = f"s{i}."
+            inits.append(numpy_helper.from_array(rng.standard_normal((k, k), dtype=np.float32) * 0.01, p + "wt"))
+            nodes += [helper.make_node("Clip", [prev, "lo", "hi"], [p + "c"]), helper.make_node("Sub", [prev, p + "c"], [p + "d"]),
+                      helper.make_node("Reshape", [p + "d", "flat"], [p + "a"]), helper.make_node("NonZero", [p + "a"], [p + "nz"]),
+                      helper.make_node("Reshape", [p + "nz", "flat"], [p + "ch"]), helper.make_node("Gather", [p + "d", p + "ch"], [p + "g"], axis=1),
+                      helper.make_node("Gather", [p + "wt", p + "ch"], [p + "w"], axis=0), helper.make_node("MatMul", [p + "g", p + "w"], [p + "corr"]),
+                      helper.make_node("Sum", [prev, p + "corr"], [p + "y"])]
+            prev = p + "y"
+        m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])], [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [1, k])], inits)
+        s = _session(m, threads)
+        x = rng.uniform(-0.9, 0.9, (1, k)).astype(np.float32)
+        x[0, [3, k // 5, k // 2]] = (5.0, -7.0, 9.0)
+        return _median_seconds(lambda: s.run(None, {"x": x}), min_runs=100)
+
+    return max(chain(links) - chain(1), 0.0) / ((links - 1) * 9)
 
 
 def launch_seconds(threads: int) -> float:
@@ -132,29 +173,34 @@ def launch_seconds(threads: int) -> float:
     return _median_seconds(lambda: dict(zip(["y"], s.run(["y"], {"x": x}))), min_runs=200)
 
 
-def _attention_runner(threads: int, h: int, kvh: int, d: int, n: int, keys: int):
-    """A call of the runtime's attention path (ONNX Runtime GroupQueryAttention over the bound
-    cache, as :class:`llmc.runtime.session.Session` runs it) for ``n`` rows ending at ``keys``."""
+def _attention_runner(threads: int, h: int, kvh: int, d: int, n: int, keys: int, layers: int = 1):
+    """A call of the runtime's attention path (rotary embedding, then ONNX Runtime
+    GroupQueryAttention over the bound cache, as :class:`llmc.runtime.session.Session` runs it)
+    for ``n`` rows ending at ``keys``; successive calls go round ``layers`` caches, so with
+    enough of them each call reads its K/V from memory, as a decode step does."""
     import onnxruntime as ort
 
     from llmc.runtime import kernels
     from llmc.runtime.ort_attention import OrtAttention
 
     rng = np.random.default_rng(0)
-    cache = kernels.KVCache({0: (kvh, d)}, keys)
+    cache = kernels.KVCache({i: (kvh, d) for i in range(layers)}, keys)
     start = keys - n
-    cache.k[0][:, :start] = rng.standard_normal((kvh, start, d), dtype=np.float32)
-    cache.v[0][:, :start] = rng.standard_normal((kvh, start, d), dtype=np.float32)
+    for i in range(layers):
+        cache.k[i][:, :start] = rng.standard_normal((kvh, start, d), dtype=np.float32)
+        cache.v[i][:, :start] = rng.standard_normal((kvh, start, d), dtype=np.float32)
     att = OrtAttention(ort, cache, threads)
     q = rng.standard_normal((n, h * d), dtype=np.float32)
     k = rng.standard_normal((n, kvh * d), dtype=np.float32)
     v = rng.standard_normal((n, kvh * d), dtype=np.float32)
-    return lambda: att(q, k, v, None, None, layer=0, start=start, n=n, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=d ** -0.5,
-                       rotary_dim=0, sliding_window=0)
+    cos, sin = kernels.rotary_table(np.arange(start, keys), 1.0 / 10000 ** (np.arange(0, d, 2, dtype=np.float32) / d), 1.0)
+    turn = iter(range(1 << 62))
+    return lambda: att(q, k, v, cos, sin, layer=next(turn) % layers, start=start, n=n, num_heads=h, num_kv_heads=kvh, head_dim=d,
+                       scale=d ** -0.5, rotary_dim=d, sliding_window=0)
 
 
 def op_launch_seconds(threads: int) -> float:
-    return _median_seconds(_attention_runner(threads, 16, 4, 64, 1, 8), min_runs=200)
+    return _median_seconds(_attention_runner(threads, 16, 4, 64, 1, 8, layers=32), min_runs=200)
 
 
 def attention_flops_per_s(threads: int) -> float:
@@ -220,8 +266,15 @@ def measure(threads: int | None = None, scratch: Path | None = None, progress: C
     say("int8 QLinear")
     rates = [2.0 * ROWS * k * m / qlinear_seconds(ROWS, k, m, threads) for k, m in GEMM_SHAPES]
     n["cpu.int8_ops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: the QLinear QDQ pattern [256,K]x[K,N] uint8, median over the same shapes"}
-    rates = [2.0 * k * m / qlinear_seconds(1, k, m, threads) for k, m in GEMM_SHAPES]
-    n["cpu.int8_gemv_ops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: the QLinear QDQ pattern at one row [1,K]x[K,N], median over the same shapes"}
+    rates = [2.0 * k * m / qlinear_seconds(1, k, m, threads, copies=-(-GEMV_BYTES // (k * m))) for k, m in GEMM_SHAPES]
+    n["cpu.int8_gemv_ops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: the QLinear QDQ pattern at one row [1,K]x[K,N], "
+                                    f"copies of each shape with {GEMV_BYTES >> 20} MB of weights in one graph (weights from memory, as in decode), median over the same shapes"}
+    n["cpu.node_s"] = {"value": node_seconds(threads), "source": f"{where}: a chain of 16 vs 1 one-row shadow corrections (Clip, Sub, NonZero, "
+                       "Gather, MatMul, Sum: 9 kernels each, 3 outlier channels of 576) in one graph, per kernel"}
+    say("int8 one-row table")
+    table = [[k, m, qlinear_seconds(1, k, m, threads, copies=-(-GEMV_BYTES // (k * m)))] for k in GEMV_K for m in GEMV_N]
+    tables = {"cpu.int8_gemv_s": {"rows": table, "source": f"{where}: the QLinear QDQ pattern at one row [1,K]x[K,N], copies with "
+                                  f"{GEMV_BYTES >> 20} MB of weights in one graph (weights from memory, as in decode), per QLinear, K in {list(GEMV_K)}, N in {list(GEMV_N)}"}}
     say("memory bandwidth")
     bw = 4.0 * 4096 * 4096 / gemm_seconds(1, 4096, 4096, threads)
     n["cpu.mem_bytes_per_s"] = {"value": bw, "source": f"{where}: one-row Gemm streaming 64 MB of float32 weights"}
@@ -229,14 +282,15 @@ def measure(threads: int | None = None, scratch: Path | None = None, progress: C
     n["cpu.attention_flops_per_s"] = {"value": attention_flops_per_s(threads), "source": f"{where}: the runtime's attention (ONNX Runtime GroupQueryAttention over the bound cache), 256 rows over 1024 keys, 16x64 heads, 4 KV heads"}
     say("launch")
     n["cpu.launch_s"] = {"value": launch_seconds(threads), "source": f"{where}: one InferenceSession.run of a one-node graph from Python"}
-    t_short = _median_seconds(_attention_runner(threads, 16, 4, 64, 1, 128), min_runs=100)
-    t_long = _median_seconds(_attention_runner(threads, 16, 4, 64, 1, 2048), min_runs=100)
+    t_short = _median_seconds(_attention_runner(threads, 16, 4, 64, 1, 128, layers=32), min_runs=100)
+    t_long = _median_seconds(_attention_runner(threads, 16, 4, 64, 1, 2048, layers=32), min_runs=100)
     n["cpu.kv_bytes_per_s"] = {"value": (2048 - 128) * 2 * 4 * 64 * 4 / max(t_long - t_short, 1e-9),
-                               "source": f"{where}: the runtime's one-row attention over 2048 vs 128 keys (4 KV heads of 64), K and V bytes per second"}
-    n["cpu.op_launch_s"] = {"value": op_launch_seconds(threads), "source": f"{where}: the runtime's attention for one row over 8 keys"}
+                               "source": f"{where}: the runtime's one-row attention over 2048 vs 128 keys (4 KV heads of 64, 32 layers' caches in turn), "
+                                         "K and V bytes per second"}
+    n["cpu.op_launch_s"] = {"value": op_launch_seconds(threads), "source": f"{where}: the runtime's attention (with rotary embedding) for one row over 8 keys"}
     say("storage")
     rate, how = storage_read_bytes_per_s(scratch or Path(tempfile.gettempdir()))
     n["storage.read_bytes_per_s"] = {"value": rate, "source": f"{where}: sequential 1 MiB reads of a 256 MB file, {how}"}
     n["memory.ram_bytes"] = {"value": ram_bytes(), "source": f"{where}: MemTotal"}
-    data = {"schema": SCHEMA, "name": "host", "description": f"this machine ({platform.node()}), CPU only", "numbers": n}
+    data = {"schema": SCHEMA, "name": "host", "description": f"this machine ({platform.node()}), CPU only", "numbers": n, "tables": tables}
     return parse(data, "host (measured)")

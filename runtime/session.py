@@ -73,6 +73,19 @@ class GenerationResult:
     metrics: Metrics
 
 
+_ARENA_REGISTERED = False
+
+
+def _shared_arena(ort: Any) -> None:
+    """Register one CPU arena allocator with ONNX Runtime's environment (once per process);
+    sessions with ``session.use_env_allocators`` share it."""
+    global _ARENA_REGISTERED
+    if not _ARENA_REGISTERED:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))  # ORT's defaults, no size cap
+        _ARENA_REGISTERED = True
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -267,9 +280,10 @@ class Session:
         # Dozens of sessions run one after another: spinning worker threads of
         # an idle session would steal the cores from the one that is running.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # No per-session arena: each would keep its peak activations (a 256-row chunk's) for good,
-        # a few MB times a hundred sessions; freeing after each run measured as fast.
-        so.enable_cpu_mem_arena = False
+        # One memory arena for all sessions: each session's own would keep its peak activations
+        # (a 256-row chunk's) for good, a few MB times a hundred sessions.
+        _shared_arena(ort)
+        so.add_session_config_entry("session.use_env_allocators", "1")
         streamed = g.get("streamed", [])
         budgeted = self.residency.session_options(ort, so) if self.residency is not None else {}  # copy no resident weight
         # weights that are graph inputs: a budgeted bundle's resident ones (ORT keeps a copy of each initializer

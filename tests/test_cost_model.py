@@ -92,3 +92,60 @@ def test_shadow_cost_follows_calibrated_channel_rates(planned):
         assert cm.outlier_channels(x, f, 256) == pytest.approx(0.0 if q is cold else f)
         costs.append(cm.node_seconds(sh, 256, 256, 256, "cpu"))
     assert costs[1] > 10 * costs[0]
+
+
+def test_gemv_table_interpolates_and_extrapolates():
+    from llmc.cost_model import gemv_table_seconds
+
+    rows = [[k, n, 1e-5 + 2.0 * k * n / 30e9] for k in (512, 2048) for n in (256, 4096)]
+    for k, n, t in rows:  # exact on the grid
+        assert gemv_table_seconds(rows, k, n) == pytest.approx(t)
+    mid = gemv_table_seconds(rows, 1024, 1024)
+    assert gemv_table_seconds(rows, 512, 256) < mid < gemv_table_seconds(rows, 2048, 4096)
+    assert gemv_table_seconds(rows, 4096, 4096) == pytest.approx(2 * gemv_table_seconds(rows, 2048, 4096))  # more work, more time
+    assert gemv_table_seconds(rows, 100, 100) == pytest.approx(gemv_table_seconds(rows, 512, 256))  # fixed costs below the grid
+
+
+def test_profile_tables_are_checked(tmp_path):
+    from llmc import device_profile
+    from llmc.device_profile import ProfileError
+
+    good = device_profile.load("8gen3").as_json()
+    good["tables"] = {"cpu.int8_gemv_s": {"rows": [[576, 576, 4e-5], [576, 1536, 7e-5], [1536, 576, 7e-5], [1536, 1536, 1.3e-4]], "source": "measured"}}
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(good))
+    assert len(device_profile.load(str(p)).tables["cpu.int8_gemv_s"]) == 4
+    for bad, msg in (([[576, 576, 4e-5], [576, 1536, 7e-5], [1536, 576, 7e-5]], "full grid"), ([[576, 576, -1.0]], "positive")):
+        good["tables"]["cpu.int8_gemv_s"]["rows"] = bad
+        p.write_text(json.dumps(good))
+        with pytest.raises(ProfileError, match=msg):
+            device_profile.load(str(p))
+
+
+def test_decode_prediction_follows_the_cpu_decode_program(tmp_path):
+    """With every decode graph on the CPU the runtime runs the fuse_cpu_decode program: the
+    prediction sums its steps (fewer launches, kernels charged at cpu.node_s)."""
+    from llmc import device_profile
+    from llmc.analyses import ChunkPlan, DecodePlan, Placement, Schedule
+    from llmc.passes import FuseCpuDecode, ScheduleSteps
+    from llmc.passes.place import cost_model
+
+    prof = device_profile.load("8gen3").as_json()
+    prof["numbers"]["cpu.node_s"] = {"value": 2e-6, "source": "test"}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    graph, ctx = plan_small(tmp_path, profile=str(path), placement="cpu")
+    chunk_s = ctx.get(Schedule).decode_s
+    FuseCpuDecode().run(graph, ctx)
+    ScheduleSteps().run(graph, ctx)
+    fused_s = ctx.get(Schedule).decode_s
+    cm = cost_model(graph, ctx)
+    steps = ctx.get(DecodePlan).steps
+    assert fused_s == pytest.approx(sum(cm.step_seconds(s, 1, 1, 1000, "cpu") for s in steps))
+    assert len(steps) < len(ctx.get(ChunkPlan).steps) and 0 < fused_s < chunk_s
+    assert all(v == "cpu" for v in ctx.get(Placement).decode.values())
+    g = next(s for s in steps if s.kind == "graph" and s.name != "decode_head")
+    kernels = sum({"QLinear": 2, "ShadowOutliers": 8 + len(graph.node(n).attrs.get("splits", [])) + (len(graph.node(n).attrs.get("splits", [])) > 1)}
+                  .get(graph.node(n).op, 1) for n in cm.subgraph(g.name).nodes)
+    bare = cm.profile["cpu.launch_s"] + sum(cm.node_seconds(graph.node(n), 1, 1, 1000, "cpu") for n in cm.subgraph(g.name).nodes)
+    assert cm.step_seconds(g, 1, 1, 1000, "cpu") == pytest.approx(bare + 2e-6 * kernels)
