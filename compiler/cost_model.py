@@ -14,7 +14,9 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   cpu.int8_gemv_ops_per_s)`` (the last: one pass of the weights through the
   integer kernel, which on CPUs without a fast integer GEMV bounds decode;
   a profile with the measured table ``cpu.int8_gemv_s`` interpolates it at
-  (K, N) instead, see :func:`gemv_table_seconds`).
+  (K, N) instead, see :func:`gemv_table_seconds`; in a one-row graph that reads
+  under ``ONE_THREAD_BYTES``, which the runtime runs on one thread, the
+  one-thread table ``cpu.int8_gemv_1t_s``).
   A ``Linear`` placed on the NPU of a target that quantizes is costed as QLinear.
 * element-wise and norms: bytes moved (inputs + output, 4 bytes per value on
   the CPU, 2 on the NPU's 16-bit activations) / ``mem_bytes_per_s``.
@@ -48,6 +50,7 @@ import dataclasses
 from llmc.analyses import ChunkPlan, DecodePlan, ShadowPlan, Step, Subgraph
 from llmc.device_profile import DeviceProfile
 from llmc.ir import Graph, Node
+from llmc.runtime.session import ONE_THREAD_BYTES
 
 # llm.npu: outliers sit in 5-15 channels per layer, 0.1-0.3% of them (REFERENCES.md).
 ASSUMED_OUTLIER_CHANNEL_FRACTION = 0.003
@@ -78,8 +81,9 @@ class CostModel:
         return self.plan.subgraph(name)
 
     # -- nodes -----------------------------------------------------------------
-    def node_seconds(self, node: Node, rows: int, n: int, keys: int, proc: str) -> float:
-        """``node`` at ``rows`` rows (``n`` of them real) attending ``keys`` keys, on ``proc``."""
+    def node_seconds(self, node: Node, rows: int, n: int, keys: int, proc: str, one_thread: bool = False) -> float:
+        """``node`` at ``rows`` rows (``n`` of them real) attending ``keys`` keys, on ``proc``
+        (``one_thread``: in a graph the runtime runs on one CPU thread)."""
         p = self.profile
         op = node.op
         if op in ("Linear", "QLinear"):
@@ -92,7 +96,7 @@ class CostModel:
                 return ops / p["npu.fp16_ops_per_s"]
             if op == "QLinear":
                 gemv = p.get("cpu.int8_gemv_ops_per_s")
-                table = p.tables.get("cpu.int8_gemv_s")
+                table = (one_thread and p.tables.get("cpu.int8_gemv_1t_s")) or p.tables.get("cpu.int8_gemv_s")
                 # one pass of the weights through the integer kernel
                 floor = gemv_table_seconds(table, k, nout) if table else 2.0 * k * nout / gemv if gemv else 0.0
                 return max(ops / p["cpu.int8_ops_per_s"], k * nout / p["cpu.mem_bytes_per_s"], floor)
@@ -139,17 +143,24 @@ class CostModel:
 
     def step_seconds(self, step: Step, rows: int, n: int, keys: int, proc: str) -> float:
         """One step: its nodes plus the processor's launch cost."""
+        one_thread = False
         if step.kind == "graph":
             nodes = self.subgraph(step.name).nodes
             t = self.profile[f"{proc}.launch_s"]
             if proc == "cpu":
                 t += self.profile.get("cpu.node_s", 0.0) * sum(_kernels(self.graph.node(n)) for n in nodes)
+                one_thread = rows == 1 and self.read_bytes(step) < ONE_THREAD_BYTES  # as the runtime runs it
         else:
             nodes = (step.name,)
             t = self.profile.get("cpu.op_launch_s") or self.profile["cpu.launch_s"]
         for name in nodes:
-            t += self.node_seconds(self.graph.node(name), rows, n, keys, proc)
+            t += self.node_seconds(self.graph.node(name), rows, n, keys, proc, one_thread)
         return t
+
+    def read_bytes(self, step: Step) -> int:
+        """Weight bytes a graph step reads whole (a shadow correction reads its table by row)."""
+        return sum(r.nbytes for name in self.subgraph(step.name).nodes for r in self.graph.node(name).weights.values()
+                   if self.graph.node(name).op != "ShadowOutliers")
 
     def weight_bytes(self, step: Step) -> int:
         """Bytes of the weights a step reads (whole tensors; tables read by row count their rows)."""

@@ -29,7 +29,9 @@ Keys (SI units: seconds, bytes, operations):
 
 Optional ``tables`` hold measured shape-dependent costs: ``cpu.int8_gemv_s`` rows
 ``[K, N, seconds]`` of one one-row int8 matmul with its weights coming from
-memory (a small matmul's fixed cost dominates, so no single rate fits all sizes).
+memory (a small matmul's fixed cost dominates, so no single rate fits all sizes),
+and ``cpu.int8_gemv_1t_s`` the same on one thread (the runtime runs small one-row
+graphs on one thread).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ CPU_KEYS = ("cpu.int8_ops_per_s", "cpu.fp32_flops_per_s", "cpu.attention_flops_p
 NPU_KEYS = ("npu.int8_ops_per_s", "npu.weight_bytes_per_s", "npu.fp16_ops_per_s", "npu.mem_bytes_per_s", "npu.launch_s")
 OTHER_KEYS = ("memory.ram_bytes", "storage.read_bytes_per_s")
 # optional measured tables and their row widths
-TABLE_COLUMNS = {"cpu.int8_gemv_s": 3}  # K, N, seconds of one one-row QLinear [1,K]x[K,N] with weights from memory
+# K, N, seconds of one one-row QLinear [1,K]x[K,N] with weights from memory, on all threads / on one
+TABLE_COLUMNS = {"cpu.int8_gemv_s": 3, "cpu.int8_gemv_1t_s": 3}
 OPTIONAL_KEYS = ("sync_s", "memory.npu_addressable_bytes", "cpu.op_launch_s", "cpu.int8_gemv_ops_per_s", "cpu.kv_bytes_per_s", "cpu.node_s")
 
 

@@ -16,11 +16,14 @@ model end to end:
 * ``cpu.node_s``: the fixed cost of one more small kernel inside a graph (a
   chain of one-row shadow corrections, nine dynamically shaped kernels each): a
   decode graph is dozens of kernels on tiny tensors;
-* table ``cpu.int8_gemv_s``: the one-row QLinear's seconds on a grid of (K, N),
-  weights from memory: small matmuls are dominated by fixed costs, large ones
-  by the kernel's streaming rate, and no single rate fits both;
-* ``cpu.mem_bytes_per_s``: one-row ``Gemm`` against 64 MB of float32 weights
-  (what decode does: stream every weight once);
+* tables ``cpu.int8_gemv_s`` and ``cpu.int8_gemv_1t_s``: the one-row QLinear's
+  seconds on a grid of (K, N), weights from memory, on all threads and on one
+  (the runtime runs small one-row graphs on one thread): small matmuls are
+  dominated by fixed costs, large ones by the kernel's streaming rate, and no
+  single rate fits both;
+* ``cpu.mem_bytes_per_s``: one-row ``Gemm`` of the same shapes, copies with at
+  least 48 MB of float32 weights per run (what decode does: stream every weight
+  once), median;
 * ``cpu.kv_bytes_per_s``: the one-row attention's cost per cached key, as bytes
   of K and V read per second (the slope between 128 and 2048 keys, calls going
   round 32 layers' caches so K/V come from memory);
@@ -59,8 +62,8 @@ log = logging.getLogger(__name__)
 GEMM_SHAPES = ((576, 1536), (1536, 576), (1024, 1024), (2048, 2048), (2048, 5632))
 ROWS = 256
 GEMV_BYTES = 48 << 20  # one-row int8 probes stream this much weight per run: more than a CPU's caches
-GEMV_K = (576, 1536, 2048, 4096)  # the one-row int8 table's grid (covers 135M to 7B models' Linears)
-GEMV_N = (192, 576, 1536, 3072, 5632, 11008)
+GEMV_K = (576, 1536, 4096)  # the one-row int8 tables' grid (covers 135M to 7B models' Linears)
+GEMV_N = (192, 576, 1536, 5632, 11008)
 
 
 def _median_seconds(fn: Callable[[], object], min_time: float = 0.2, min_runs: int = 5) -> float:
@@ -96,16 +99,19 @@ def _model(nodes, inputs, outputs, inits):
     return m
 
 
-def gemm_seconds(rows: int, k: int, n: int, threads: int) -> float:
+def gemm_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) -> float:
+    """ONNX Runtime ``Gemm`` (transB, as the ONNX backend emits Linear) ``[rows, K] x [K, N]``;
+    with ``copies`` > 1, that many independent ones in one graph, per Gemm."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    w = numpy_helper.from_array(rng.standard_normal((n, k), dtype=np.float32) * 0.05, "w")
-    m = _model([helper.make_node("Gemm", ["x", "w"], ["y"], transB=1)], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
-               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, n])], [w])
+    ws = [numpy_helper.from_array(rng.standard_normal((n, k), dtype=np.float32) * 0.05, f"w{c}") for c in range(copies)]
+    m = _model([helper.make_node("Gemm", ["x", f"w{c}"], [f"y{c}"], transB=1) for c in range(copies)],
+               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
+               [helper.make_tensor_value_info(f"y{c}", TensorProto.FLOAT, [rows, n]) for c in range(copies)], ws)
     s = _session(m, threads)
     x = rng.standard_normal((rows, k), dtype=np.float32)
-    return _median_seconds(lambda: s.run(None, {"x": x}))
+    return _median_seconds(lambda: s.run(None, {"x": x})) / copies
 
 
 def qlinear_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) -> float:
@@ -272,12 +278,16 @@ def measure(threads: int | None = None, scratch: Path | None = None, progress: C
     n["cpu.node_s"] = {"value": node_seconds(threads), "source": f"{where}: a chain of 16 vs 1 one-row shadow corrections (Clip, Sub, NonZero, "
                        "Gather, MatMul, Sum: 9 kernels each, 3 outlier channels of 576) in one graph, per kernel"}
     say("int8 one-row table")
-    table = [[k, m, qlinear_seconds(1, k, m, threads, copies=-(-GEMV_BYTES // (k * m)))] for k in GEMV_K for m in GEMV_N]
-    tables = {"cpu.int8_gemv_s": {"rows": table, "source": f"{where}: the QLinear QDQ pattern at one row [1,K]x[K,N], copies with "
-                                  f"{GEMV_BYTES >> 20} MB of weights in one graph (weights from memory, as in decode), per QLinear, K in {list(GEMV_K)}, N in {list(GEMV_N)}"}}
+    tables = {}
+    for key, t in (("cpu.int8_gemv_s", threads), ("cpu.int8_gemv_1t_s", 1)):
+        rows = [[k, m, qlinear_seconds(1, k, m, t, copies=-(-GEMV_BYTES // (k * m)))] for k in GEMV_K for m in GEMV_N]
+        tables[key] = {"rows": rows, "source": f"{where.replace(f'{threads} threads', f'{t} thread' + ('s' if t > 1 else ''))}: the QLinear QDQ pattern at one "
+                       f"row [1,K]x[K,N], copies with {GEMV_BYTES >> 20} MB of weights in one graph (weights from memory, as in decode), per QLinear, "
+                       f"K in {list(GEMV_K)}, N in {list(GEMV_N)}"}
     say("memory bandwidth")
-    bw = 4.0 * 4096 * 4096 / gemm_seconds(1, 4096, 4096, threads)
-    n["cpu.mem_bytes_per_s"] = {"value": bw, "source": f"{where}: one-row Gemm streaming 64 MB of float32 weights"}
+    rates = [4.0 * k * m / gemm_seconds(1, k, m, threads, copies=-(-GEMV_BYTES // (4 * k * m))) for k, m in GEMM_SHAPES]
+    n["cpu.mem_bytes_per_s"] = {"value": statistics.median(rates), "source": f"{where}: one-row Gemm, copies of each shape with at least "
+                                f"{GEMV_BYTES >> 20} MB of float32 weights in one graph (what decode does: stream every weight once), median over the same shapes"}
     say("attention")
     n["cpu.attention_flops_per_s"] = {"value": attention_flops_per_s(threads), "source": f"{where}: the runtime's attention (ONNX Runtime GroupQueryAttention over the bound cache), 256 rows over 1024 keys, 16x64 heads, 4 KV heads"}
     say("launch")

@@ -73,6 +73,13 @@ class GenerationResult:
     metrics: Metrics
 
 
+# A one-row graph that reads less than this many weight bytes runs on one thread: waking a
+# second thread for each of its small kernels costs more than the second core saves.
+# (Measured on SmolLM2-135M decode, same process, interleaved tokens: +16% tokens/s.) The
+# cost model (llmc.cost_model) prices such graphs with the one-thread measurements.
+ONE_THREAD_BYTES = 8 << 20
+
+
 _ARENA_REGISTERED = False
 
 
@@ -272,7 +279,9 @@ class Session:
         if inst is None:
             raise BundleError(f"{self.bundle}: graph {graph} has no instance for {rows} rows (has {sorted(g['instances'])})")
         so = ort.SessionOptions()
-        so.intra_op_num_threads = self._threads
+        by_row = g.get("fed", []) if self.residency is None else []  # the decode program's shadow tables: read by row
+        small = rows == 1 and g["weight_bytes"] - sum(self.manifest["weights"][n]["nbytes"] for n in by_row) < ONE_THREAD_BYTES
+        so.intra_op_num_threads = 1 if small else self._threads
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -280,10 +289,12 @@ class Session:
         # Dozens of sessions run one after another: spinning worker threads of
         # an idle session would steal the cores from the one that is running.
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # One memory arena for all sessions: each session's own would keep its peak activations
-        # (a 256-row chunk's) for good, a few MB times a hundred sessions.
-        _shared_arena(ort)
-        so.add_session_config_entry("session.use_env_allocators", "1")
+        if rows > 1:
+            # One memory arena for the chunk-sized sessions: each one's own would keep its peak
+            # activations (a 256-row chunk's) for good, a few MB times a hundred sessions.
+            # One-row sessions keep their own small arenas (the shared one slowed them down).
+            _shared_arena(ort)
+            so.add_session_config_entry("session.use_env_allocators", "1")
         streamed = g.get("streamed", [])
         budgeted = self.residency.session_options(ort, so) if self.residency is not None else {}  # copy no resident weight
         # weights that are graph inputs: a budgeted bundle's resident ones (ORT keeps a copy of each initializer
