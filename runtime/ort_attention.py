@@ -106,7 +106,7 @@ class OrtAttention:
         self._threads = threads
         self._sessions: dict[tuple, Any] = {}
         self._bound: dict[int, tuple[Any, Any, Any]] = {}  # layer -> (IOBinding, K cache, V cache)
-        self._out: dict[int, np.ndarray] = {}  # layer -> the one-row output, reused
+        self._one: dict[int, _OneRow] = {}  # layer -> decode's binding, bound once
 
     @staticmethod
     def supports(attrs: dict[str, Any]) -> bool:
@@ -134,6 +134,11 @@ class OrtAttention:
         """Same contract as :func:`llmc.runtime.kernels.attention` (``sliding_window`` must be 0)."""
         rows = q.shape[0]
         h, kvh, d = num_heads, num_kv_heads, head_dim
+        if rows == 1:
+            one = self._one.get(layer)
+            if one is None:
+                one = self._one[layer] = _OneRow(self._ort, self._session((h, kvh, d, float(scale))), self._cache, layer, h, kvh, d)
+            return one(q, k, v, cos, sin, start, rotary_dim)
         qn, kn = q[:n], k[:n]
         if rotary_dim:
             qn = kernels._rope(qn.reshape(n, h, d), cos[:n], sin[:n], rotary_dim).reshape(n, h * d)
@@ -150,14 +155,9 @@ class OrtAttention:
             b.bind_ortvalue_output("present_k", kc)
             b.bind_ortvalue_output("present_v", vc)
         b = bound[0]
-        # One reused output per layer for one-row decode; a chunk gets a fresh array, because
-        # the compiled out-of-order schedule may run this layer for the next chunk before the
-        # previous chunk's result has been consumed.
-        out = self._out.get(layer) if rows == 1 else None
-        if out is None:
-            out = np.zeros((rows, h * d), np.float32)
-            if rows == 1:
-                self._out[layer] = out
+        # A chunk gets a fresh output array: the compiled out-of-order schedule may run this layer
+        # for the next chunk before the previous chunk's result has been consumed.
+        out = np.zeros((rows, h * d), np.float32)
         b.bind_cpu_input("q", np.ascontiguousarray(qn, np.float32)[None])
         b.bind_cpu_input("k", np.ascontiguousarray(kn, np.float32)[None])
         b.bind_cpu_input("v", np.ascontiguousarray(v[:n], np.float32)[None])
@@ -166,3 +166,60 @@ class OrtAttention:
         b.bind_output("out", "cpu", 0, np.float32, [1, n, h * d], out.ctypes.data)
         sess.run_with_iobinding(b)
         return out
+
+
+class _OneRow:
+    """Decode's attention for one layer: its own IOBinding with every input and the output
+    bound once to buffers that are reused, so a call rotates q and k into their buffers,
+    copies v, sets the two lengths and runs; nothing is allocated or bound per token."""
+
+    def __init__(self, ort: Any, sess: Any, cache: kernels.KVCache, layer: int, h: int, kvh: int, d: int) -> None:
+        self._sess = sess
+        self._h, self._kvh, self._d = h, kvh, d
+        self.q = np.zeros((1, 1, h * d), np.float32)
+        self.k = np.zeros((1, 1, kvh * d), np.float32)
+        self.v = np.zeros((1, 1, kvh * d), np.float32)
+        self.seqlens = np.zeros(1, np.int32)
+        self.total = np.zeros((), np.int32)
+        self.out = np.zeros((1, h * d), np.float32)
+        self._tmp = np.zeros((h, d), np.float32)
+        ov = ort.OrtValue.ortvalue_from_numpy
+        self._caches = (ov(cache.k[layer][None]), ov(cache.v[layer][None]))  # keep the cache views alive
+        b = self._binding = sess.io_binding()
+        b.bind_ortvalue_input("past_k", self._caches[0])
+        b.bind_ortvalue_input("past_v", self._caches[1])
+        b.bind_ortvalue_output("present_k", self._caches[0])
+        b.bind_ortvalue_output("present_v", self._caches[1])
+        for name, a in (("q", self.q), ("k", self.k), ("v", self.v), ("seqlens_k", self.seqlens), ("total_len", self.total)):
+            b.bind_input(name, "cpu", 0, a.dtype.type, list(a.shape), a.ctypes.data)
+        b.bind_output("out", "cpu", 0, np.float32, [1, 1, h * d], self.out.ctypes.data)
+
+    def _rope_into(self, x: np.ndarray, heads: int, cos: np.ndarray, sin: np.ndarray, r: int, dst: np.ndarray) -> None:
+        """``dst`` (``[1, 1, heads*d]``) = rotate-half rotary of the one row ``x``, as kernels._rope."""
+        d = self._d
+        x = x.reshape(heads, d)
+        y = dst.reshape(heads, d)
+        t = self._tmp[:heads, :r]
+        half = r // 2
+        c, s = cos[0, :r], sin[0, :r]
+        np.multiply(x[:, :r], c, out=y[:, :r])
+        np.multiply(x[:, half:r], s[:half], out=t[:, :half])
+        np.subtract(y[:, :half], t[:, :half], out=y[:, :half])
+        np.multiply(x[:, :half], s[half:], out=t[:, half:])
+        np.add(y[:, half:r], t[:, half:], out=y[:, half:r])
+        if r < d:
+            y[:, r:] = x[:, r:]
+
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray | None, sin: np.ndarray | None, start: int,
+                 rotary_dim: int) -> np.ndarray:
+        if rotary_dim:
+            self._rope_into(q, self._h, cos, sin, rotary_dim, self.q)
+            self._rope_into(k, self._kvh, cos, sin, rotary_dim, self.k)
+        else:
+            np.copyto(self.q.reshape(1, -1), q)
+            np.copyto(self.k.reshape(1, -1), k)
+        np.copyto(self.v.reshape(1, -1), v)
+        self.seqlens[0] = start
+        self.total[()] = start + 1
+        self._sess.run_with_iobinding(self._binding)
+        return self.out
