@@ -323,6 +323,7 @@ def inspect(bundle, as_json, no_verify):
         },
         "graph_file_bytes": graph_bytes,
         "program": [s["name"] if s["kind"] == "graph" else f"{s['op']}:{s['name']}" for s in m["program"]],
+        "decode_program": [s["name"] if s["kind"] == "graph" else f"{s['op']}:{s['name']}" for s in m["decode_program"]] if "decode_program" in m else None,
         "total_bytes": sum(f["bytes"] for f in files.values()),
         "qnn": _qnn_summary(m.get("qnn")),
         "mlir": sorted({e["dialect"] for g in (m.get("mlir") or {}).values() for e in g.values()}),
@@ -351,6 +352,9 @@ def inspect(bundle, as_json, no_verify):
                    f"in {', '.join(g['inputs'])}  out {', '.join(g['outputs'])}")
     steps = summary["program"]
     click.echo(f"program    {len(steps)} steps per chunk: {' -> '.join(steps[:8])}{' -> ...' if len(steps) > 8 else ''}")
+    dsteps = summary["decode_program"]
+    if dsteps:
+        click.echo(f"decode     {len(dsteps)} steps per token when the CPU decodes (fuse_cpu_decode): {' -> '.join(dsteps[:6])} -> ...")
     q = summary["qnn"]
     if q is not None:
         if "skipped" in q:

@@ -132,3 +132,22 @@ def test_pass_on_a_planned_model_and_when_it_stands_aside(tmp_path):
     graph, ctx = plan_small(tmp_path, target="cpu")  # no shadow corrections: the chunk program is already maximal
     FuseCpuDecode().run(graph, ctx)
     assert not graph.find("ShadowOutliers") and not ctx.has(DecodePlan)
+
+
+def test_inspect_shows_decode_program_placement_and_predictions(npu_bundle):
+    import json
+
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    r = CliRunner().invoke(cli, ["inspect", str(npu_bundle)])
+    assert r.exit_code == 0, r.output
+    lines = {line.split()[0]: line for line in r.output.splitlines() if line and not line.startswith(" ")}
+    m = json.loads((npu_bundle / "manifest.json").read_text())
+    assert lines["decode"].startswith(f"decode     {len(m['decode_program'])} steps per token")
+    assert "(8gen3) prefill:" in lines["placement"] and "decode: 0 on NPU" in lines["placement"]
+    pred = m["schedule"]["predicted"]
+    assert f"decode {pred['decode_tok_s']:.1f} tok/s" in lines["predicted"]
+    summary = json.loads(CliRunner().invoke(cli, ["inspect", str(npu_bundle), "--json"]).output)
+    assert summary["decode_program"][2] == "decode00" and summary["predicted"] == pred
