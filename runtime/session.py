@@ -6,6 +6,9 @@ C for prefill chunks, 1 for decode), ``op`` steps run a dynamic op from
 :mod:`llmc.runtime.kernels` on the CPU. A prompt is split into chunks of C
 tokens; the last one is padded, and padded rows never reach the KV cache or the
 logits, so results are exact for any prompt length up to ``max_context``.
+When the CPU runs decode, a bundle's ``decode_program`` (``fuse_cpu_decode``:
+one graph between two attentions, the shadow corrections inside it) replaces
+the program's one-row instances.
 """
 
 from __future__ import annotations
