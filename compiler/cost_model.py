@@ -40,7 +40,9 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
 * Decode follows the program the runtime runs: the ``fuse_cpu_decode`` program
   (:class:`~llmc.analyses.DecodePlan`) when every decode graph is placed on the
   CPU, else the chunk program at one row.
-* Weight I/O for streamed weights: ``bytes / storage.read_bytes_per_s``.
+* Weight I/O for streamed weights: ``bytes / storage.read_bytes_per_s``; a table
+  row read on demand (embedding, shadow weights under a memory budget):
+  ``storage.small_read_s + (row bytes - 4 KiB) / storage.read_bytes_per_s``.
 """
 
 from __future__ import annotations
@@ -170,6 +172,33 @@ class CostModel:
 
     def io_seconds(self, nbytes: float) -> float:
         return nbytes / self.profile["storage.read_bytes_per_s"]
+
+    def row_read_seconds(self, nbytes: float) -> float:
+        """One positioned read of a table row from storage: ``storage.small_read_s`` (default a
+        4 KiB read at the sequential rate) plus the bytes beyond 4 KiB at the sequential rate."""
+        bw = self.profile["storage.read_bytes_per_s"]
+        return (self.profile.get("storage.small_read_s") or 4096 / bw) + max(nbytes - 4096, 0) / bw
+
+    def row_reads_per_token(self) -> float:
+        """Seconds per decoded token of reading table rows when the tables stay in storage
+        (a memory budget): one embedding row, and for every shadow correction the rows of the
+        channels expected to hold an outlier that are not resident hot rows (``p_c`` of each
+        channel for one row; without calibration llm.npu's 0.3% of channels)."""
+        t = 0.0
+        for node in self.graph.nodes:
+            if node.op == "Embedding":
+                t += self.row_read_seconds(node.weights["table"].nbytes / node.weights["table"].shape[0])
+            elif node.op == "ShadowOutliers":
+                wt = node.weights["weight_t"]
+                x = node.inputs[0].name
+                q = self.shadow.inputs.get(x) if self.shadow is not None else None
+                if q is not None and q.channel_rates:
+                    hot = set(node.attrs["hot_channels"])
+                    rows = sum(min(r, 1.0) for c, r in enumerate(q.channel_rates) if c not in hot)
+                else:
+                    rows = self.outlier_channels(x, wt.shape[0], 1)
+                t += rows * self.row_read_seconds(wt.nbytes / wt.shape[0])
+        return t
 
 
 def gemv_table_seconds(rows: list[list[float]], k: int, n: int) -> float:

@@ -25,7 +25,9 @@ Keys (SI units: seconds, bytes, operations):
   matmuls stream int8 weights), ``fp16_ops_per_s``, ``mem_bytes_per_s``,
   ``launch_s`` — all or none (a profile without them has no NPU);
 * ``sync_s``: one CPU<->NPU hand-off (required with an NPU);
-* ``memory.ram_bytes``, ``memory.npu_addressable_bytes``, ``storage.read_bytes_per_s``.
+* ``memory.ram_bytes``, ``memory.npu_addressable_bytes``, ``storage.read_bytes_per_s``;
+  ``storage.small_read_s`` (one random 4 KiB read, the fixed cost of reading a
+  table row; default 4 KiB at ``read_bytes_per_s``) — optional.
 
 Optional ``tables`` hold measured shape-dependent costs: ``cpu.int8_gemv_s`` rows
 ``[K, N, seconds]`` of one one-row int8 matmul with its weights coming from
@@ -52,7 +54,8 @@ OTHER_KEYS = ("memory.ram_bytes", "storage.read_bytes_per_s")
 # optional measured tables and their row widths
 # K, N, seconds of one one-row QLinear [1,K]x[K,N] with weights from memory, on all threads / on one
 TABLE_COLUMNS = {"cpu.int8_gemv_s": 3, "cpu.int8_gemv_1t_s": 3}
-OPTIONAL_KEYS = ("sync_s", "memory.npu_addressable_bytes", "cpu.op_launch_s", "cpu.int8_gemv_ops_per_s", "cpu.kv_bytes_per_s", "cpu.node_s")
+OPTIONAL_KEYS = ("sync_s", "memory.npu_addressable_bytes", "cpu.op_launch_s", "cpu.int8_gemv_ops_per_s", "cpu.kv_bytes_per_s", "cpu.node_s",
+                 "storage.small_read_s")
 
 
 class ProfileError(LlmcError):

@@ -36,6 +36,7 @@ model end to end:
   attention (rotary embedding included) for one row over 8 keys;
 * ``storage.read_bytes_per_s``: reading a 256 MB file with ``O_DIRECT``
   (bypassing the page cache, like weights streamed from flash);
+* ``storage.small_read_s``: one random 4 KiB read of that file (a table row);
 * ``memory.ram_bytes``: ``MemTotal`` of ``/proc/meminfo``.
 
 Every benchmark warms up, then reports the median of repeated runs.
@@ -214,8 +215,9 @@ def attention_flops_per_s(threads: int) -> float:
     return 4.0 * n * keys * h * d / _median_seconds(_attention_runner(threads, h, kvh, d, n, keys))
 
 
-def storage_read_bytes_per_s(directory: Path, size: int = 256 << 20) -> tuple[float, str]:
-    """Sequential 1 MiB reads of a fresh file, bypassing the page cache where the OS allows."""
+def storage_read_bytes_per_s(directory: Path, size: int = 256 << 20) -> tuple[float, float, str]:
+    """Sequential 1 MiB reads of a fresh file, bypassing the page cache where the OS allows,
+    then the median of 512 random 4 KiB reads of it; returns (bytes/s, seconds per small read, how)."""
     directory.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=directory, prefix="llmc-probe-")
     try:
@@ -240,7 +242,14 @@ def storage_read_bytes_per_s(directory: Path, size: int = 256 << 20) -> tuple[fl
             off = 0
             while off < size:
                 off += os.preadv(rfd, [buf], off)
-            return size / (time.perf_counter() - t), how
+            rate = size / (time.perf_counter() - t)
+            small = memoryview(buf)[:4096]
+            times = []
+            for page in np.random.default_rng(0).integers(0, size // 4096, 512):
+                t = time.perf_counter()
+                os.preadv(rfd, [small], int(page) * 4096)
+                times.append(time.perf_counter() - t)
+            return rate, statistics.median(times), how
         finally:
             os.close(rfd)
     finally:
@@ -299,8 +308,9 @@ def measure(threads: int | None = None, scratch: Path | None = None, progress: C
                                          "K and V bytes per second"}
     n["cpu.op_launch_s"] = {"value": op_launch_seconds(threads), "source": f"{where}: the runtime's attention (with rotary embedding) for one row over 8 keys"}
     say("storage")
-    rate, how = storage_read_bytes_per_s(scratch or Path(tempfile.gettempdir()))
+    rate, small, how = storage_read_bytes_per_s(scratch or Path(tempfile.gettempdir()))
     n["storage.read_bytes_per_s"] = {"value": rate, "source": f"{where}: sequential 1 MiB reads of a 256 MB file, {how}"}
+    n["storage.small_read_s"] = {"value": small, "source": f"{where}: random 4 KiB reads of the same file, {how}, median of 512"}
     n["memory.ram_bytes"] = {"value": ram_bytes(), "source": f"{where}: MemTotal"}
     data = {"schema": SCHEMA, "name": "host", "description": f"this machine ({platform.node()}), CPU only", "numbers": n, "tables": tables}
     return parse(data, "host (measured)")

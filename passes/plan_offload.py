@@ -17,8 +17,10 @@ them, into a ring of buffers. Rules, after FlexInfer (EuroMLSys'25):
   then to FFN matrices.
 
 The budget covers resident weights plus the prefetch ring. Predictions, with
-``T`` the compute time per token from the schedule and ``S`` the streamed
-bytes: ``max(T, S / storage.read_bytes_per_s)`` with prefetching and
+``T`` the compute time per token from the schedule plus the table rows read on
+demand (one embedding row, the expected non-hot outlier rows of every shadow
+correction, each a small random read) and ``S`` the streamed bytes:
+``max(T, S / storage.read_bytes_per_s)`` with prefetching and
 ``T + S / storage.read_bytes_per_s`` without.
 
 Runs only when ``memory_budget`` is set (bytes, or a percentage of the dense
@@ -123,7 +125,7 @@ class PlanOffload(Pass):
         resident_all = small + extra + [w for w in big if w in resident]
         s_bytes = sum(size[w] for w in streamed)
         io = cm.io_seconds(s_bytes)
-        t = sched.decode_s
+        t = sched.decode_s + cm.row_reads_per_token()  # row reads happen when the step runs: not prefetched
         log.info("plan_offload: budget %s, resident %s (share %.0f%% per layer), streamed %s per token, ring %s",
                  format_size(budget), format_size(used - ring), share * 100, format_size(s_bytes), format_size(ring))
         ctx.put(OffloadPlan(budget, total, tuple(resident_all), tuple(streamed), tuple(rows), used - ring, s_bytes, ring, depth,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from conftest import plan_small
@@ -40,6 +39,19 @@ def test_half_budget_is_balanced_and_attention_first(tmp_path):
     assert max(ranks) <= min(streamed_ranks)
     # prefetching hides I/O: max(T, S/bw) < T + S/bw
     assert o.predicted_decode_s < o.predicted_decode_no_prefetch_s
+    # table rows read on demand are not prefetched: both predictions pay them
+    from llmc.analyses import Schedule
+    from llmc.passes.place import cost_model
+
+    cm = cost_model(graph, ctx)
+    rows = cm.row_reads_per_token()
+    t = ctx.get(Schedule).decode_s + rows
+    assert o.predicted_decode_s == pytest.approx(max(t, cm.io_seconds(o.streamed_bytes)))
+    assert o.predicted_decode_no_prefetch_s == pytest.approx(t + cm.io_seconds(o.streamed_bytes))
+    embed = next(n for n in graph.nodes if n.op == "Embedding").weights["table"]
+    small = cm.profile["storage.small_read_s"]
+    assert cm.row_read_seconds(100) == small and cm.row_read_seconds(4096 + 4e9) == pytest.approx(small + 1.0)
+    assert rows > cm.row_read_seconds(embed.nbytes / embed.shape[0])  # the embedding row and some shadow rows
 
 
 def test_budgets_order_and_limits(tmp_path):
