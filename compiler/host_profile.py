@@ -11,7 +11,7 @@ model end to end:
   DequantizeLinear, per-channel uint8 weights, MatMul; ONNX Runtime fuses it
   into an integer matmul) over the same shapes, median;
 * ``cpu.int8_gemv_ops_per_s``: the same QLinear pattern at one row (decode), with
-  48 MB of weights per run so they come from memory: on CPUs without a fast
+  96 MB of weights per run so they come from memory: on CPUs without a fast
   integer GEMV this, not memory bandwidth, bounds int8 decode;
 * ``cpu.node_s``: the fixed cost of one more small kernel inside a graph (a
   chain of one-row shadow corrections, nine dynamically shaped kernels each): a
@@ -22,7 +22,7 @@ model end to end:
   dominated by fixed costs, large ones by the kernel's streaming rate, and no
   single rate fits both;
 * ``cpu.mem_bytes_per_s``: one-row ``Gemm`` of the same shapes, copies with at
-  least 48 MB of float32 weights per run (what decode does: stream every weight
+  least 96 MB of float32 weights per run (what decode does: stream every weight
   once), median;
 * ``cpu.kv_bytes_per_s``: the one-row attention's cost per cached key, as bytes
   of K and V read per second (the slope between 128 and 2048 keys, calls going
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 GEMM_SHAPES = ((576, 1536), (1536, 576), (1024, 1024), (2048, 2048), (2048, 5632))
 ROWS = 256
-GEMV_BYTES = 48 << 20  # one-row int8 probes stream this much weight per run: more than a CPU's caches
+GEMV_BYTES = 96 << 20  # one-row probes stream this much weight per run: several times a CPU's last-level cache
 GEMV_K = (576, 1536, 4096)  # the one-row int8 tables' grid (covers 135M to 7B models' Linears)
 GEMV_N = (192, 576, 1536, 5632, 11008)
 
@@ -106,7 +106,8 @@ def gemm_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) -> fl
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    ws = [numpy_helper.from_array(rng.standard_normal((n, k), dtype=np.float32) * 0.05, f"w{c}") for c in range(copies)]
+    base = rng.standard_normal((n, k), dtype=np.float32) * 0.05
+    ws = [numpy_helper.from_array(np.roll(base, c, axis=1), f"w{c}") for c in range(copies)]  # distinct copies, cheaply
     m = _model([helper.make_node("Gemm", ["x", f"w{c}"], [f"y{c}"], transB=1) for c in range(copies)],
                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
                [helper.make_tensor_value_info(f"y{c}", TensorProto.FLOAT, [rows, n]) for c in range(copies)], ws)
@@ -129,8 +130,9 @@ def qlinear_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) ->
              numpy_helper.from_array(np.array(0.05, np.float32), "xs"), numpy_helper.from_array(np.array(128, np.uint8), "xz")]
     nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]), helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xdq"])]
     outputs = []
+    base = rng.integers(1, 256, size=(k, n), dtype=np.uint8)
     for c in range(copies):
-        inits.append(numpy_helper.from_array(rng.integers(1, 256, size=(k, n), dtype=np.uint8), f"wq{c}"))
+        inits.append(numpy_helper.from_array(np.roll(base, c, axis=1), f"wq{c}"))
         nodes += [helper.make_node("DequantizeLinear", [f"wq{c}", "ws", "wz"], [f"w{c}"], axis=1),
                   helper.make_node("MatMul", ["xdq", f"w{c}"], [f"y{c}"])]
         outputs.append(helper.make_tensor_value_info(f"y{c}", TensorProto.FLOAT, [rows, n]))
