@@ -166,9 +166,11 @@ class ScheduleSteps(Pass):
         k_max = math.ceil(plan.max_context / c)
         orders = {}
         report = None
+        one_processor = all(p == "cpu" for p in placement.prefill.values())  # nothing to overlap: in order is optimal
         for k in sorted({*range(1, min(k_max, MAX_STORED_ORDERS) + 1), k_prompt}):
             prob = _Problem(graph, cm, placement, k, tokens if k == k_prompt else k * c)
-            ino, ooo = prob.in_order(), prob.out_of_order()
+            ino = prob.in_order()
+            ooo = ino if one_processor else prob.out_of_order()
             best = ooo if ooo.makespan_s <= ino.makespan_s else ino
             if k <= MAX_STORED_ORDERS:
                 orders[k] = best.order
