@@ -179,13 +179,15 @@ class CostModel:
         bw = self.profile["storage.read_bytes_per_s"]
         return (self.profile.get("storage.small_read_s") or 4096 / bw) + max(nbytes - 4096, 0) / bw
 
-    def row_reads_per_token(self) -> float:
-        """Seconds per decoded token of reading table rows when the tables stay in storage
-        (a memory budget): one embedding row, and for every shadow correction the rows of the
+    def row_reads_per_token(self, tables: set[str]) -> float:
+        """Seconds per decoded token of reading rows of ``tables`` (kept in storage under a
+        memory budget): one embedding row, and for every shadow correction the rows of the
         channels expected to hold an outlier that are not resident hot rows (``p_c`` of each
         channel for one row; without calibration llm.npu's 0.3% of channels)."""
         t = 0.0
         for node in self.graph.nodes:
+            if not any(r.name in tables for r in node.weights.values()):
+                continue
             if node.op == "Embedding":
                 t += self.row_read_seconds(node.weights["table"].nbytes / node.weights["table"].shape[0])
             elif node.op == "ShadowOutliers":

@@ -9,6 +9,8 @@ them, into a ring of buffers. Rules, after FlexInfer (EuroMLSys'25):
   always resident;
 * tables the runtime reads by row (the embedding gather, the shadow-outlier
   weights) are never resident: they are read row by row when a token needs them;
+  a table a graph also reads whole (an embedding tied to the LM head) follows
+  the graph's choice, and when that is to stream it the op reads it by row;
 * *balanced memory locking*: every layer keeps the same share of its matrix
   bytes resident, so each layer streams about the same number of bytes and the
   prefetcher never falls behind on one layer;
@@ -82,12 +84,18 @@ class PlanOffload(Pass):
         # resident shadow rows) are read in full and stay resident.
         rows: list[str] = []
         extra: list[str] = []
+        tied: list[str] = []  # tables read by row that a graph also reads whole (a tied embedding / LM head)
         for st in plan.steps:
             if st.kind == "op":
                 node = graph.node(st.name)
                 for slot, ref in node.weights.items():
-                    into = rows if slot in ROW_READ.get(node.op, ()) else extra
-                    if ref.name not in dense and ref.name not in rows and ref.name not in extra:
+                    by_row = slot in ROW_READ.get(node.op, ())
+                    if ref.name in dense:
+                        if by_row and ref.name not in tied:
+                            tied.append(ref.name)
+                        continue
+                    into = rows if by_row else extra
+                    if ref.name not in rows and ref.name not in extra:
                         into.append(ref.name)
         size = {w: graph.weights[w].nbytes for w in dense + rows + extra}
         small = [w for w in dense if len(graph.weights[w].shape) < 2 or size[w] < SMALL_BYTES]
@@ -123,9 +131,10 @@ class PlanOffload(Pass):
                     hi = trial[0]
         share, resident, streamed, ring, used = best
         resident_all = small + extra + [w for w in big if w in resident]
+        rows += [w for w in tied if w in streamed]  # the graph streams it whole, the op reads its rows
         s_bytes = sum(size[w] for w in streamed)
         io = cm.io_seconds(s_bytes)
-        t = sched.decode_s + cm.row_reads_per_token()  # row reads happen when the step runs: not prefetched
+        t = sched.decode_s + cm.row_reads_per_token(set(rows))  # row reads happen when the step runs: not prefetched
         log.info("plan_offload: budget %s, resident %s (share %.0f%% per layer), streamed %s per token, ring %s",
                  format_size(budget), format_size(used - ring), share * 100, format_size(s_bytes), format_size(ring))
         ctx.put(OffloadPlan(budget, total, tuple(resident_all), tuple(streamed), tuple(rows), used - ring, s_bytes, ring, depth,

@@ -381,3 +381,23 @@ def test_plan_offload_bundle_runs_like_the_unbudgeted_one(pairs, tmp_path, model
         s.close()
         assert np.array_equal(logits, ref_logits) and toks == ref_toks
         assert 0 < st.peak_buffer_bytes <= off["buffer_bytes"]
+
+
+def test_tied_embedding_streamed_for_the_head_and_read_by_row(tmp_path, model_dirs, monkeypatch):
+    """An embedding tied to the LM head: plan_offload streams it for the head graph and the
+    Embedding op reads its rows; the bundle runs and matches the unbudgeted one."""
+    from llmc.compile import compile_model
+
+    d = model_dirs("llama_tied_mha")
+    plain, out = tmp_path / "plain", tmp_path / "budget"
+    compile_model(str(d), plain, target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT)
+    compile_model(str(d), out, target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget="95%", prefetch_depth=0)
+    m = json.loads((out / "manifest.json").read_text())
+    off = m["offload"]
+    table = next(s["weights"]["table"] for s in m["program"] if s.get("op") == "Embedding")
+    assert table in off["streamed"] and table in off["row_streamed"] and table not in off["resident"]
+    _, ref_logits, ref_toks = _run_without_prepacking(plain, monkeypatch)
+    s, logits, toks = _run(out, True)
+    s.close()
+    assert toks == ref_toks
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-5 * np.abs(ref_logits).max())

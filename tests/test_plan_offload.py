@@ -44,7 +44,7 @@ def test_half_budget_is_balanced_and_attention_first(tmp_path):
     from llmc.passes.place import cost_model
 
     cm = cost_model(graph, ctx)
-    rows = cm.row_reads_per_token()
+    rows = cm.row_reads_per_token(set(o.row_streamed))
     t = ctx.get(Schedule).decode_s + rows
     assert o.predicted_decode_s == pytest.approx(max(t, cm.io_seconds(o.streamed_bytes)))
     assert o.predicted_decode_no_prefetch_s == pytest.approx(t + cm.io_seconds(o.streamed_bytes))
