@@ -174,10 +174,6 @@ class ValueRanges:
 
 # --- placement, schedule, offload -------------------------------------------------
 
-PROCESSORS = ("npu", "cpu")
-PHASES = ("prefill", "decode")
-
-
 @dataclasses.dataclass(frozen=True)
 class StepCost:
     """Predicted seconds of one program step at the chunk shape and at one row, per processor.

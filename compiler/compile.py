@@ -160,7 +160,7 @@ def compile_model(
         graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu",
                                           streamed=frozenset(offload["streamed"]) if offload else frozenset(),
                                           fed=frozenset(offload["resident"]) if offload else frozenset())
-        decode_plan = ctx.get(DecodePlan) if ctx.has(DecodePlan) and offload is None else None
+        decode_plan = ctx.get(DecodePlan) if ctx.has(DecodePlan) else None  # none under a budget (fuse_cpu_decode)
         if decode_plan is not None:  # the CPU's one-row program (fuse_cpu_decode)
             # the corrections' float weights are inputs: ONNX Runtime reads every initializer when it loads a graph,
             # which would page in all of them; fed by pointer, only the rows of outlier channels are touched

@@ -164,12 +164,6 @@ class CostModel:
         return sum(r.nbytes for name in self.subgraph(step.name).nodes for r in self.graph.node(name).weights.values()
                    if self.graph.node(name).op != "ShadowOutliers")
 
-    def weight_bytes(self, step: Step) -> int:
-        """Bytes of the weights a step reads (whole tensors; tables read by row count their rows)."""
-        if step.kind == "graph":
-            return sum(self.graph.weights[w].nbytes for w in self.subgraph(step.name).weights)
-        return 0
-
     def io_seconds(self, nbytes: float) -> float:
         return nbytes / self.profile["storage.read_bytes_per_s"]
 

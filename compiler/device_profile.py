@@ -54,8 +54,6 @@ OTHER_KEYS = ("memory.ram_bytes", "storage.read_bytes_per_s")
 # optional measured tables and their row widths
 # K, N, seconds of one one-row QLinear [1,K]x[K,N] with weights from memory, on all threads / on one
 TABLE_COLUMNS = {"cpu.int8_gemv_s": 3, "cpu.int8_gemv_1t_s": 3}
-OPTIONAL_KEYS = ("sync_s", "memory.npu_addressable_bytes", "cpu.op_launch_s", "cpu.int8_gemv_ops_per_s", "cpu.kv_bytes_per_s", "cpu.node_s",
-                 "storage.small_read_s")
 
 
 class ProfileError(LlmcError):

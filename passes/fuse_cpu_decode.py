@@ -3,7 +3,7 @@
 The chunk program cuts at every shadow-outlier correction, because on the phone
 the quantized subgraphs run on the NPU and the float outlier part on the CPU.
 When decode runs on the CPU that cut only costs calls: a SmolLM2 token makes
-121 graph calls and 121 corrections in Python. This pass cuts the model again
+122 graph calls and 121 corrections in Python. This pass cuts the model again
 with ``ShadowOutliers`` treated as a static op, so the correction
 (``y_i += (x - clip(x)) @ W_i^T`` over the channels that hold outliers, with the
 channel set found in the graph) is lowered into the ONNX subgraph around it:
@@ -45,7 +45,7 @@ class FuseCpuDecode(Pass):
             log.info("%s: skipped, a budgeted bundle streams weights per step of the chunk program", self.name)
             return PassResult(False)
         subgraphs, steps = cut(graph, (1,), lambda n: not n.schema.is_static and n.op != "ShadowOutliers", self.name, prefix="decode", head="decode_head")
-        before = sum(1 for s in ctx.get(ChunkPlan).steps)
+        before = len(ctx.get(ChunkPlan).steps)
         log.info("%s: %d decode steps instead of %d (%d graphs)", self.name, len(steps), before, len(subgraphs))
         ctx.put(DecodePlan(subgraphs, steps))
         return PassResult(False)

@@ -8,9 +8,9 @@ shared-buffer mode), so no cache bytes are copied per step.
 
 The runtime may not depend on the ``onnx`` package, so the one-node model is
 serialised here with a minimal protobuf writer (the fields used are listed in
-:func:`gqa_model`). Rotary embedding stays in numpy (``_rope``), exactly as in
-the numpy kernel, so both paths rotate identically; sliding-window attention
-keeps the numpy kernel.
+:func:`gqa_model`). Rotary embedding stays in numpy (``_rope``, and for one row
+the same arithmetic into bound buffers), as in the numpy kernel, so both paths
+rotate identically; sliding-window attention keeps the numpy kernel.
 """
 
 from __future__ import annotations
@@ -96,8 +96,10 @@ def gqa_model(num_heads: int, num_kv_heads: int, head_dim: int, capacity: int, s
 class OrtAttention:
     """Causal GQA of one layer configuration over a :class:`~llmc.runtime.kernels.KVCache`.
 
-    One ONNX Runtime session per distinct (heads, kv heads, head dim, scale);
-    an output buffer per layer and row count is reused across calls.
+    One ONNX Runtime session per distinct (heads, kv heads, head dim, scale).
+    Per layer, one IOBinding for chunks (fresh output per call) and one for a
+    single row (:class:`_OneRow`: every buffer bound once), both with the layer's
+    cache bound as past and present.
     """
 
     def __init__(self, ort: Any, cache: kernels.KVCache, threads: int) -> None:
@@ -105,7 +107,8 @@ class OrtAttention:
         self._cache = cache
         self._threads = threads
         self._sessions: dict[tuple, Any] = {}
-        self._bound: dict[int, tuple[Any, Any, Any]] = {}  # layer -> (IOBinding, K cache, V cache)
+        self._caches: dict[int, tuple[Any, Any]] = {}  # layer -> K and V cache OrtValues (they keep the views alive)
+        self._bound: dict[int, Any] = {}  # layer -> the chunks' IOBinding
         self._one: dict[int, _OneRow] = {}  # layer -> decode's binding, bound once
 
     @staticmethod
@@ -128,6 +131,19 @@ class OrtAttention:
             sess = self._sessions[key] = ort.InferenceSession(gqa_model(*key[:3], self._cache.capacity, key[3]), so, providers=["CPUExecutionProvider"])
         return sess
 
+    def _cache_binding(self, sess: Any, layer: int) -> Any:
+        """A new IOBinding of ``sess`` with ``layer``'s cache bound as both past and present."""
+        caches = self._caches.get(layer)
+        if caches is None:
+            ov = self._ort.OrtValue.ortvalue_from_numpy
+            caches = self._caches[layer] = (ov(self._cache.k[layer][None]), ov(self._cache.v[layer][None]))
+        b = sess.io_binding()
+        b.bind_ortvalue_input("past_k", caches[0])
+        b.bind_ortvalue_input("past_v", caches[1])
+        b.bind_ortvalue_output("present_k", caches[0])
+        b.bind_ortvalue_output("present_v", caches[1])
+        return b
+
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray | None, sin: np.ndarray | None, *,
                  layer: int, start: int, n: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  rotary_dim: int, sliding_window: int) -> np.ndarray:
@@ -137,24 +153,17 @@ class OrtAttention:
         if rows == 1:
             one = self._one.get(layer)
             if one is None:
-                one = self._one[layer] = _OneRow(self._ort, self._session((h, kvh, d, float(scale))), self._cache, layer, h, kvh, d)
+                sess = self._session((h, kvh, d, float(scale)))
+                one = self._one[layer] = _OneRow(sess, self._cache_binding(sess, layer), h, kvh, d)
             return one(q, k, v, cos, sin, start, rotary_dim)
         qn, kn = q[:n], k[:n]
         if rotary_dim:
             qn = kernels._rope(qn.reshape(n, h, d), cos[:n], sin[:n], rotary_dim).reshape(n, h * d)
             kn = kernels._rope(kn.reshape(n, kvh, d), cos[:n], sin[:n], rotary_dim).reshape(n, kvh * d)
         sess = self._session((h, kvh, d, float(scale)))
-        bound = self._bound.get(layer)
-        if bound is None:  # the caches stay bound as past and present across calls
-            ov = self._ort.OrtValue.ortvalue_from_numpy
-            kc, vc = ov(self._cache.k[layer][None]), ov(self._cache.v[layer][None])
-            b = sess.io_binding()
-            bound = self._bound[layer] = (b, kc, vc)  # the OrtValues keep the cache views alive
-            b.bind_ortvalue_input("past_k", kc)
-            b.bind_ortvalue_input("past_v", vc)
-            b.bind_ortvalue_output("present_k", kc)
-            b.bind_ortvalue_output("present_v", vc)
-        b = bound[0]
+        b = self._bound.get(layer)
+        if b is None:  # the caches stay bound as past and present across calls
+            b = self._bound[layer] = self._cache_binding(sess, layer)
         # A chunk gets a fresh output array: the compiled out-of-order schedule may run this layer
         # for the next chunk before the previous chunk's result has been consumed.
         out = np.zeros((rows, h * d), np.float32)
@@ -173,7 +182,7 @@ class _OneRow:
     bound once to buffers that are reused, so a call rotates q and k into their buffers,
     copies v, sets the two lengths and runs; nothing is allocated or bound per token."""
 
-    def __init__(self, ort: Any, sess: Any, cache: kernels.KVCache, layer: int, h: int, kvh: int, d: int) -> None:
+    def __init__(self, sess: Any, binding: Any, h: int, kvh: int, d: int) -> None:
         self._sess = sess
         self._h, self._kvh, self._d = h, kvh, d
         self.q = np.zeros((1, 1, h * d), np.float32)
@@ -183,13 +192,7 @@ class _OneRow:
         self.total = np.zeros((), np.int32)
         self.out = np.zeros((1, h * d), np.float32)
         self._tmp = np.zeros((h, d), np.float32)
-        ov = ort.OrtValue.ortvalue_from_numpy
-        self._caches = (ov(cache.k[layer][None]), ov(cache.v[layer][None]))  # keep the cache views alive
-        b = self._binding = sess.io_binding()
-        b.bind_ortvalue_input("past_k", self._caches[0])
-        b.bind_ortvalue_input("past_v", self._caches[1])
-        b.bind_ortvalue_output("present_k", self._caches[0])
-        b.bind_ortvalue_output("present_v", self._caches[1])
+        b = self._binding = binding  # the cache is bound already
         for name, a in (("q", self.q), ("k", self.k), ("v", self.v), ("seqlens_k", self.seqlens), ("total_len", self.total)):
             b.bind_input(name, "cpu", 0, a.dtype.type, list(a.shape), a.ctypes.data)
         b.bind_output("out", "cpu", 0, np.float32, [1, 1, h * d], self.out.ctypes.data)

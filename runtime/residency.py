@@ -83,10 +83,6 @@ class WeightFile:
                     os.close(fd)
                 finally:
                     probe.close()
-        self.bytes_read = 0
-        self.reads = 0
-        self.read_s = 0.0
-        self._lock = threading.Lock()
         if self.dfd is None:
             log.info("%s: O_DIRECT is not available here; streaming with pread + posix_fadvise(DONTNEED)", path)
 
@@ -96,7 +92,6 @@ class WeightFile:
 
     def read_into(self, buf: Any, offset: int, nbytes: int) -> int:
         """Read ``nbytes`` at ``offset`` into ``buf`` (page-aligned, ``len >= buffer_size(nbytes)``); return where the data starts in ``buf``."""
-        t = time.perf_counter()
         mv = memoryview(buf)
         if self.dfd is not None:
             start = offset - offset % BLOCK
@@ -107,11 +102,6 @@ class WeightFile:
             self._read_all(self.fd, mv[:nbytes], offset, nbytes)
             os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
             skip = 0
-        dt = time.perf_counter() - t
-        with self._lock:
-            self.bytes_read += nbytes
-            self.reads += 1
-            self.read_s += dt
         return skip
 
     def _read_all(self, fd: int, mv: memoryview, offset: int, need: int) -> None:
@@ -231,7 +221,6 @@ class StreamStats:
     bytes_read: int = 0
     read_s: float = 0.0  # time inside reads (either thread)
     wait_s: float = 0.0  # main thread blocked on a read not finished
-    waits: int = 0
     mispredicted: int = 0  # steps run out of the announced order (their prefetches dropped)
     peak_buffer_bytes: int = 0
 
@@ -349,7 +338,6 @@ class StreamedWeights:
                 break
             if waited:
                 self.stats.wait_s += time.perf_counter() - t
-                self.stats.waits += 1
             self._active = use
         if use.error is not None:
             self.release(step)
@@ -446,7 +434,6 @@ class Residency:
     """
 
     def __init__(self, bundle: Path, manifest: dict[str, Any], *, prefetch: bool = True, direct: bool = True) -> None:
-        self.bundle = bundle
         self.plan = check_offload(bundle, manifest)
         _tighten_malloc()
         table = manifest["weights"]

@@ -172,13 +172,9 @@ class Session:
                 readers[v] = readers.get(v, 0) + 1
         self._shadow_inplace = {st["name"]: all(readers[v] == 1 for v in st["inputs"][1:]) for st in self.program
                                 if st["kind"] == "op" and st["op"] == "ShadowOutliers"}
-        # Graphs that run once per chunk and do not produce the logits write into reused buffers.
-        runs: dict[str, int] = {}
-        for st in self.program:
-            if st["kind"] == "graph":
-                runs[st["name"]] = runs.get(st["name"], 0) + 1
-        self._reusable = {self.program[i]["name"] for i in range(len(self.program))
-                          if self.program[i]["kind"] == "graph" and runs[self.program[i]["name"]] == 1 and i not in self._head_steps}
+        # Graphs that do not produce the logits write into reused buffers (each graph is one step).
+        self._reusable = {st["name"] for i, st in enumerate(self.program) if st["kind"] == "graph" and i not in self._head_steps}
+        self._all_steps = list(range(len(self.program)))  # decode's step order, for the prefetcher
         # The CPU's one-row decode program (fuse_cpu_decode), when decode runs on the CPU.
         self._decode_program: list[dict[str, Any]] | None = None
         if "decode_program" in m and self._decode_on_cpu():
@@ -265,10 +261,14 @@ class Session:
             sess = ort.InferenceSession(str(resolve_inside(self.bundle, inst["context"])), so)
         return sess, inst["io_prefix"]
 
+    def _on_npu(self, graph: str, processor: str) -> bool:
+        """Whether ``graph`` runs on the QNN HTP: the provider is qnn, the placement says NPU and it has QNN artifacts."""
+        return self.provider == "qnn" and processor == "npu" and graph in self.manifest["qnn"]["graphs"]
+
     def _session(self, graph: str, rows: int, processor: str = "npu"):
         """The session of a graph instance: on the QNN HTP when the provider is qnn, the graph
         has QNN artifacts and the placement puts it on the NPU; else ONNX Runtime's CPU provider."""
-        on_npu = self.provider == "qnn" and processor == "npu" and graph in self.manifest["qnn"]["graphs"]
+        on_npu = self._on_npu(graph, processor)
         key = (graph, rows, on_npu)
         sess = self._sessions.get(key)
         if sess is not None:
@@ -377,26 +377,6 @@ class Session:
                               hint="the bundle was made by a newer llmc; upgrade the runtime")
         buf.update(zip(s["outputs"], res))
 
-    def _run_chunk(self, ids: np.ndarray, n: int, logit_rows: np.ndarray | None, program: list[dict[str, Any]] | None = None) -> np.ndarray | None:
-        """Run the whole program (or ``program``, which has no steps to skip) on ``ids``
-        (padded to an instance size) of which ``n`` are real."""
-        start = self.position
-        if start + n > self.max_context:
-            raise PromptTooLongError(f"sequence would reach {start + n} tokens; this bundle was compiled with --max-context {self.max_context}")
-        buf = self._feeds(ids, start)
-        phase = "decode" if ids.shape[0] == 1 else "prefill"
-        if program is not None:
-            for s in program:
-                self._run_step(s, buf, start, n, logit_rows, phase)
-        else:
-            for i, s in enumerate(self.program):
-                if logit_rows is None and i in self._head_steps:
-                    continue
-                self._run_step(s, buf, start, n, logit_rows, phase)
-        self.position = start + n
-        if logit_rows is None:
-            return None
-        return buf[self.io["logits"]][: len(logit_rows)]
 
     def _order(self, k: int) -> list[tuple[int, int]]:
         """The compiled issue order of (chunk, step) for a prefill of ``k`` chunks.
@@ -453,10 +433,6 @@ class Session:
         self.position = start0 + len(ids)
         return out
 
-    def _steps(self, logits: bool) -> list[int]:
-        """Program steps a chunk runs: all of them, or without the head when it needs no logits."""
-        return [i for i in range(len(self.program)) if logits or i not in self._head_steps]
-
     def close(self) -> None:
         """Stop the prefetch thread and close the weight file (budgeted bundles); the session is unusable after."""
         if self.residency is not None:
@@ -469,7 +445,7 @@ class Session:
         name, rows = s["name"], buf[s["inputs"][0]].shape[0]
         processor = self._placement[phase].get(name, "npu")
         sess, prefix = self._session(name, rows, processor)
-        on_qnn = self.provider == "qnn" and processor == "npu" and name in self.manifest["qnn"]["graphs"]
+        on_qnn = self._on_npu(name, processor)
         i = self._step_index.get(name)
         streamed = self.residency is not None and i in self.residency.streaming.by_step
         if rows == 1 and name in self._reusable and not on_qnn and not streamed:
@@ -526,15 +502,24 @@ class Session:
             rows = [None] * (k - 1) + [np.array([sizes[-1] - 1])]
         if self.residency is not None:  # the order the steps will run in, then decode's, for the prefetcher
             order = [j for _, j in self._order(k)] + [j for r in rows if r is not None for j in sorted(self._head_steps)]
-            self.residency.streaming.schedule(order, then_repeat=self._steps(True))
+            self.residency.streaming.schedule(order, then_repeat=self._all_steps)
         out = self._prefill_scheduled(ids, rows)
         return np.concatenate(out) if all_logits else out[-1][0]
 
     def decode(self, token: int) -> np.ndarray:
-        """Feed one token through the decode instances; return its logits."""
+        """Feed one token through the CPU decode program, or the program's one-row instances;
+        return its logits."""
+        start = self.position
+        if start + 1 > self.max_context:
+            raise PromptTooLongError(f"sequence would reach {start + 1} tokens; this bundle was compiled with --max-context {self.max_context}")
         if self.residency is not None:
-            self.residency.streaming.schedule(self._steps(True), then_repeat=self._steps(True))
-        return self._run_chunk(np.array([token], np.int64), 1, np.array([0]), self._decode_program)[0]
+            self.residency.streaming.schedule(self._all_steps, then_repeat=self._all_steps)
+        buf = self._feeds(np.array([token], np.int64), start)
+        rows = np.array([0])
+        for s in self._decode_program or self.program:
+            self._run_step(s, buf, start, 1, rows, "decode")
+        self.position = start + 1
+        return buf[self.io["logits"]][0]
 
     # -- text ----------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
