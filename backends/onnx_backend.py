@@ -286,7 +286,7 @@ def emit_graphs(graph: Graph, plan: ChunkPlan | DecodePlan, weights: dict[str, d
             "instances": instances,
         }
         for key, names in (("streamed", streamed), ("fed", fed)):
-            mine = [w for w in sub.weights if w in names]
+            mine = [w for w in used if w in names]
             if mine:
                 table[sub.name][key] = mine
     return table

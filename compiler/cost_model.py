@@ -48,6 +48,7 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from llmc.analyses import ChunkPlan, DecodePlan, ShadowPlan, Step, Subgraph
 from llmc.device_profile import DeviceProfile
@@ -74,13 +75,18 @@ class CostModel:
     quantized: bool = False
     decode_plan: DecodePlan | None = None
 
+    @functools.cached_property
+    def _subgraphs(self) -> dict[str, Subgraph]:
+        subs = list(self.plan.subgraphs) + (list(self.decode_plan.subgraphs) if self.decode_plan is not None else [])
+        return {s.name: s for s in subs}
+
+    @functools.cached_property
+    def _nodes(self) -> dict[str, Node]:
+        return {n.name: n for n in self.graph.nodes}
+
     def subgraph(self, name: str) -> Subgraph:
         """A subgraph of the chunk program or of the CPU decode program."""
-        if self.decode_plan is not None:
-            for s in self.decode_plan.subgraphs:
-                if s.name == name:
-                    return s
-        return self.plan.subgraph(name)
+        return self._subgraphs[name]
 
     # -- nodes -----------------------------------------------------------------
     def node_seconds(self, node: Node, rows: int, n: int, keys: int, proc: str, one_thread: bool = False) -> float:
@@ -150,19 +156,19 @@ class CostModel:
             nodes = self.subgraph(step.name).nodes
             t = self.profile[f"{proc}.launch_s"]
             if proc == "cpu":
-                t += self.profile.get("cpu.node_s", 0.0) * sum(_kernels(self.graph.node(n)) for n in nodes)
+                t += self.profile.get("cpu.node_s", 0.0) * sum(_kernels(self._nodes[n]) for n in nodes)
                 one_thread = rows == 1 and self.read_bytes(step) < ONE_THREAD_BYTES  # as the runtime runs it
         else:
             nodes = (step.name,)
             t = self.profile.get("cpu.op_launch_s") or self.profile["cpu.launch_s"]
         for name in nodes:
-            t += self.node_seconds(self.graph.node(name), rows, n, keys, proc, one_thread)
+            t += self.node_seconds(self._nodes[name], rows, n, keys, proc, one_thread)
         return t
 
     def read_bytes(self, step: Step) -> int:
         """Weight bytes a graph step reads whole (a shadow correction reads its table by row)."""
-        return sum(r.nbytes for name in self.subgraph(step.name).nodes for r in self.graph.node(name).weights.values()
-                   if self.graph.node(name).op != "ShadowOutliers")
+        nodes = (self._nodes[name] for name in self.subgraph(step.name).nodes)
+        return sum(r.nbytes for node in nodes if node.op != "ShadowOutliers" for r in node.weights.values())
 
     def io_seconds(self, nbytes: float) -> float:
         return nbytes / self.profile["storage.read_bytes_per_s"]

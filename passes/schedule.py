@@ -178,10 +178,11 @@ class ScheduleSteps(Pass):
                 report = (ino, ooo)
         heads = sorted(head_steps(graph, plan))
         head_s = _chain_seconds(cm, placement, [plan.steps[j] for j in heads], "prefill", tokens)
-        decode_s = _chain_seconds(cm, placement, list(plan.steps), "decode", tokens)
         dp = cm.decode_plan
         if dp is not None and all(placement.decode[s.name] == "cpu" for s in plan.steps if s.kind == "graph"):
             decode_s = sum(cm.step_seconds(s, 1, 1, tokens, "cpu") for s in dp.steps)  # the runtime's CPU decode program
+        else:
+            decode_s = _chain_seconds(cm, placement, list(plan.steps), "decode", tokens)
         ino, ooo = report
         log.info("schedule (%s, %d tokens): in-order %.1f ms (NPU bubbles %.0f%%), out-of-order %.1f ms (%.0f%%); decode %.2f ms/token",
                  cm.profile.name, tokens, ino.makespan_s * 1e3, ino.npu_bubble_rate * 100, ooo.makespan_s * 1e3, ooo.npu_bubble_rate * 100, decode_s * 1e3)
