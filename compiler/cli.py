@@ -189,7 +189,7 @@ def plan(model, profile, prompt_len, target, chunk, memory_budget, prefetch_dept
 @click.option("--json", "as_json", is_flag=True, help="Also print the profile as JSON.")
 @_guard
 def profile_host(out, threads, as_json):
-    """Measure this machine's device profile (`host`) with micro-benchmarks (under a minute)."""
+    """Measure this machine's device profile (`host`) with micro-benchmarks (about 40 seconds)."""
     from llmc.device_profile import save, user_profile_dir
     from llmc.host_profile import measure
 

@@ -143,7 +143,7 @@ def load(name_or_path: str) -> DeviceProfile:
     if name_or_path == "host":
         p = user_profile_dir() / "host.json"
         if not p.exists():
-            raise ProfileError("the host profile has not been measured on this machine", hint="run `llmc profile-host` first (about a minute)")
+            raise ProfileError("the host profile has not been measured on this machine", hint="run `llmc profile-host` first (about 40 seconds)")
     elif not (p.suffix == ".json" and p.exists()):
         p = PROFILE_DIR / f"{name_or_path}.json"
         if not p.exists():

@@ -2,7 +2,7 @@
 
 Each number of the ``host`` profile comes from a small benchmark of the same
 kernels a bundle runs here (ONNX Runtime's CPU provider with the runtime's
-session settings, the runtime's numpy attention kernel), never from running a
+session settings, the runtime's attention path), never from running a
 model end to end:
 
 * ``cpu.fp32_flops_per_s``: ``Gemm`` (transB, as the ONNX backend emits Linear)
@@ -39,7 +39,8 @@ model end to end:
 * ``storage.small_read_s``: one random 4 KiB read of that file (a table row);
 * ``memory.ram_bytes``: ``MemTotal`` of ``/proc/meminfo``.
 
-Every benchmark warms up, then reports the median of repeated runs.
+Every kernel benchmark warms up, then reports the median of repeated runs
+(``cpu.node_s`` is a difference of two such medians; the sequential storage read is timed once).
 """
 
 from __future__ import annotations
