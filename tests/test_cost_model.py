@@ -149,3 +149,28 @@ def test_decode_prediction_follows_the_cpu_decode_program(tmp_path):
                   .get(graph.node(n).op, 1) for n in cm.subgraph(g.name).nodes)
     bare = cm.profile["cpu.launch_s"] + sum(cm.node_seconds(graph.node(n), 1, 1, 1000, "cpu") for n in cm.subgraph(g.name).nodes)
     assert cm.step_seconds(g, 1, 1, 1000, "cpu") == pytest.approx(bare + 2e-6 * kernels)
+
+
+def test_one_row_graphs_use_the_table_of_the_threads_they_run_on(tmp_path, monkeypatch):
+    """A one-row CPU graph that reads less than the runtime's one-thread limit is priced
+    with the one-thread int8 table, a bigger one with the all-threads table."""
+    import llmc.cost_model
+    from llmc import device_profile
+    from llmc.analyses import ChunkPlan
+    from llmc.passes.place import cost_model
+
+    prof = device_profile.load("8gen3").as_json()
+    grid = [[k, n] for k in (512, 4096) for n in (256, 8192)]
+    prof["tables"] = {"cpu.int8_gemv_s": {"rows": [r + [1e-6] for r in grid], "source": "test"},
+                      "cpu.int8_gemv_1t_s": {"rows": [r + [1e-2] for r in grid], "source": "test"}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(prof))
+    graph, ctx = plan_small(tmp_path, profile=str(path))
+    cm = cost_model(graph, ctx)
+    steps = [st for st in ctx.get(ChunkPlan).steps
+             if st.kind == "graph" and any(graph.node(n).op == "QLinear" for n in cm.subgraph(st.name).nodes)]
+    assert steps and all(cm.read_bytes(st) < llmc.cost_model.ONE_THREAD_BYTES for st in steps)  # SMALL's graphs are all small
+    # 10 ms per QLinear on one thread dominates every other term; 1 us does not
+    assert all(cm.step_seconds(st, 1, 1, 1000, "cpu") > 1e-2 for st in steps)
+    monkeypatch.setattr(llmc.cost_model, "ONE_THREAD_BYTES", 0)  # every graph now runs on all threads
+    assert all(cm.step_seconds(st, 1, 1, 1000, "cpu") < 1e-2 for st in steps)

@@ -151,3 +151,24 @@ def test_inspect_shows_decode_program_placement_and_predictions(npu_bundle):
     assert f"decode {pred['decode_tok_s']:.1f} tok/s" in lines["predicted"]
     summary = json.loads(CliRunner().invoke(cli, ["inspect", str(npu_bundle), "--json"]).output)
     assert summary["decode_program"][2] == "decode00" and summary["predicted"] == pred
+
+
+def test_session_options_follow_the_graph_size(npu_bundle):
+    """Small one-row graphs run on one thread with their own arena; chunk graphs on every
+    thread with the shared arena."""
+    from llmc.runtime import Session
+
+    s = Session(npu_bundle, "cpu", threads=2)
+    seen = set()
+    for (name, rows, _), (sess, _) in s._sessions.items():
+        so = sess.get_session_options()
+        try:
+            shared = so.get_session_config_entry("session.use_env_allocators") == "1"
+        except RuntimeError:  # not set
+            shared = False
+        if rows == 1:
+            assert so.intra_op_num_threads == 1 and not shared  # the tiny model's graphs are all small
+        else:
+            assert so.intra_op_num_threads == 2 and shared
+        seen.add(rows)
+    assert seen == {1, CHUNK}
