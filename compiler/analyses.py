@@ -75,17 +75,28 @@ HIST_PER_OCTAVE = 16  # global |x| histogram: 16 bins per power of two (4.4% wid
 HIST_MIN_EXP, HIST_MAX_EXP = -24, 20  # |x| below 2^-24 counts as zero; above 2^20 lands in the last bin
 CH_PER_OCTAVE = 2  # per-channel histogram: coarse, for outlier counts
 CH_MIN_EXP = -4  # per-channel bins start at 2^-4; smaller values share bin 0
+BIN_KEY_SHIFT = 11  # a float32's bin is a function of its top 20 magnitude bits (exponent + 12 mantissa bits)
+
+
+def _grid_edges(per_octave: int, min_exp: int) -> _np.ndarray:
+    # 2^(k/per_octave), rounded up to the nearest float32 whose low BIN_KEY_SHIFT
+    # mantissa bits are zero, so that |x| >= edge is decided by x's top 20 bits
+    # (powers of two are on the grid already).
+    e = _np.arange(min_exp * per_octave, HIST_MAX_EXP * per_octave + 1) / per_octave
+    bits = _np.exp2(e).astype(_np.float32).view(_np.int32)
+    step = 1 << BIN_KEY_SHIFT
+    on_grid = ((bits + (step - 1)) & ~(step - 1)).astype(_np.int32).view(_np.float32)
+    return _np.concatenate([[0.0], on_grid.astype(_np.float64)])
 
 
 def hist_edges() -> _np.ndarray:
     """Lower edges of the global histogram bins (bin 0 holds zeros/tiny values)."""
-    e = _np.arange(HIST_MIN_EXP * HIST_PER_OCTAVE, HIST_MAX_EXP * HIST_PER_OCTAVE + 1) / HIST_PER_OCTAVE
-    return _np.concatenate([[0.0], _np.exp2(e)])
+    return _grid_edges(HIST_PER_OCTAVE, HIST_MIN_EXP)
 
 
 def channel_edges() -> _np.ndarray:
-    e = _np.arange(CH_MIN_EXP * CH_PER_OCTAVE, HIST_MAX_EXP * CH_PER_OCTAVE + 1) / CH_PER_OCTAVE
-    return _np.concatenate([[0.0], _np.exp2(e)])
+    """Lower edges of the per-channel histogram bins (bin 0 holds everything below 2^CH_MIN_EXP)."""
+    return _grid_edges(CH_PER_OCTAVE, CH_MIN_EXP)
 
 
 @dataclasses.dataclass
@@ -97,8 +108,6 @@ class TensorStats:
     hist: _np.ndarray  # [len(hist_edges())] counts of |x| per bin
     channel_absmax: _np.ndarray  # [features]
     channel_hist: _np.ndarray  # [features, len(channel_edges())]
-    minimum: float = 0.0
-    maximum: float = 0.0
 
     def percentile(self, p: float) -> float:
         """Upper edge of the bin holding the p-th percentile of |x| (0 < p < 100)."""
@@ -122,12 +131,11 @@ class TensorStats:
 
 @dataclasses.dataclass
 class CalibrationStats:
-    """Statistics of every Linear's input (by value name) and output (by node name)."""
+    """Statistics of every Linear's input, by value name (q/k/v share one)."""
 
     corpus: str
     tokens: int
     inputs: dict[str, TensorStats]
-    outputs: dict[str, TensorStats]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,12 +136,20 @@ class CostModel:
             return 8.0 * rows * _features(node.inputs[0].shape) / bw
         raise ValueError(f"the cost model has no formula for op {op}")
 
+    @functools.cached_property
+    def _outlier_channels(self) -> dict[tuple[str, int], float]:
+        return {}  # memo: the schedule asks for the same (value, rows) thousands of times
+
     def outlier_channels(self, value: str, features: int, n: int) -> float:
         """Expected number of input channels with at least one outlier among ``n`` rows."""
-        q = self.shadow.inputs.get(value) if self.shadow is not None else None
-        if q is not None and q.channel_rates:
-            return float(sum(1.0 - (1.0 - min(r, 1.0)) ** n for r in q.channel_rates))
-        return ASSUMED_OUTLIER_CHANNEL_FRACTION * features
+        memo = self._outlier_channels
+        if (value, n) not in memo:
+            q = self.shadow.inputs.get(value) if self.shadow is not None else None
+            if q is not None and q.channel_rates:
+                memo[value, n] = float(sum(1.0 - (1.0 - min(r, 1.0)) ** n for r in q.channel_rates))
+            else:
+                memo[value, n] = ASSUMED_OUTLIER_CHANNEL_FRACTION * features
+        return memo[value, n]
 
     # -- steps -----------------------------------------------------------------
     def can_run(self, step: Step, proc: str) -> bool:

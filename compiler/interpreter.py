@@ -54,8 +54,13 @@ class Interpreter:
             self._w[ref.name] = np.ascontiguousarray(self.graph.weights.load(ref.name))
         return self._w[ref.name]
 
-    def run(self, ids: Sequence[int], observer: Observer | None = None, select_rows: np.ndarray | None = None) -> np.ndarray:
-        """Logits for ``ids`` (all rows, or ``select_rows`` if the graph has SelectRows)."""
+    def run(self, ids: Sequence[int], observer: Observer | None = None, select_rows: np.ndarray | None = None,
+            stop_at: str | None = None) -> np.ndarray | None:
+        """Logits for ``ids`` (all rows, or ``select_rows`` if the graph has SelectRows).
+
+        ``stop_at`` names a node where the run ends, without running it: the
+        observer sees its inputs (and no outputs) and there are no logits.
+        """
         ids = np.asarray(ids, np.int64)
         T = len(ids)
         cache = kernels.KVCache(self.attn_layers, T)
@@ -65,6 +70,10 @@ class Interpreter:
         rows = select_rows if select_rows is not None else np.arange(T)
         for node in self.graph.nodes:
             ins = [env[v.name] for v in node.inputs]
+            if node.name == stop_at:
+                if observer is not None:
+                    observer(node, ins, [])
+                return None
             outs = self.eval(node, ins, cache, T, rows)
             for v, o in zip(node.outputs, outs):
                 env[v.name] = o

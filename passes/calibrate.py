@@ -1,10 +1,11 @@
-"""calibrate: record statistics of every Linear's input and output on calibration text.
+"""calibrate: record statistics of every Linear's input on calibration text.
 
 Runs the IR itself (``llmc.interpreter``, float32, the same numerics as the fp32
-bundle) on calibration tokens and keeps, per Linear input value and per Linear
-output: the absolute maximum, a 16-bins-per-octave histogram of ``|x|`` (for
-percentiles), per-channel maxima and a coarse per-channel histogram (for
-outlier counts per input channel).
+bundle) on calibration tokens and keeps, per Linear input value (q/k/v share
+one): the absolute maximum, a 16-bins-per-octave histogram of ``|x|`` (for
+percentiles and clipping), per-channel maxima and a coarse per-channel
+histogram (for outlier counts per input channel). Bin edges sit on a grid of
+float32 values, so a value's bins are one table lookup on its top 20 bits.
 
 The default corpus is the English reference documentation that ships with the
 Python interpreter (``pydoc_data.topics``), so calibration works offline;
@@ -17,6 +18,7 @@ Produces :class:`llmc.analyses.CalibrationStats`; the IR is unchanged.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -25,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from llmc.analyses import (
-    CH_MIN_EXP, CH_PER_OCTAVE, HIST_MAX_EXP, HIST_MIN_EXP, HIST_PER_OCTAVE, CalibrationStats, TensorStats, channel_edges, hist_edges,
+    BIN_KEY_SHIFT, CH_MIN_EXP, CH_PER_OCTAVE, HIST_MAX_EXP, HIST_MIN_EXP, HIST_PER_OCTAVE, CalibrationStats, TensorStats, channel_edges,
+    hist_edges,
 )
 from llmc.errors import CompileError
 from llmc.ir import Graph
@@ -33,10 +36,8 @@ from llmc.pass_manager import Pass, PassContext, PassResult
 
 log = logging.getLogger(__name__)
 
-STATS_VERSION = 1
+STATS_VERSION = 2
 SEQ_LEN = 512  # calibration text is run in sequences of this many tokens
-_FAR = float(1 << 20)  # beyond every histogram bin in units of 1/HIST_PER_OCTAVE octave
-assert HIST_PER_OCTAVE % CH_PER_OCTAVE == 0, "the per-channel bins must be unions of the fine bins"
 
 
 def default_corpus() -> tuple[str, str]:
@@ -57,43 +58,45 @@ def calibration_text(options) -> tuple[str, str]:
     return default_corpus()
 
 
+@functools.cache
+def _bin_tables() -> np.ndarray:
+    """Per 20-bit magnitude key: fine bin | coarse bin << 16 (see ``hist_edges``)."""
+    keys = np.arange(1 << (31 - BIN_KEY_SHIFT), dtype=np.int64)
+    floor = (keys << BIN_KEY_SHIFT).astype(np.int32).view(np.float32)  # smallest |x| with each key
+    floor[keys > (0x7F800000 >> BIN_KEY_SHIFT)] = 0.0  # NaN goes to bin 0 (+inf to the last bin)
+    fine = np.searchsorted(hist_edges(), floor, side="right") - 1
+    coarse = np.searchsorted(channel_edges(), floor, side="right") - 1
+    return (fine | coarse << 16).astype(np.int32)
+
+
 class _Accumulator:
+    """Statistics of one Linear input, added one ``[tokens, features]`` batch at a time."""
+
     def __init__(self, features: int) -> None:
         self.absmax = 0.0
-        self.minimum = 0.0
-        self.maximum = 0.0
         self.count = 0
         self.hist = np.zeros(len(hist_edges()), np.int64)
         self.channel_absmax = np.zeros(features, np.float32)
         self.channel_hist = np.zeros((features, len(channel_edges())), np.int64)
 
     def add(self, x: np.ndarray) -> None:
-        a = np.abs(x)
-        ch_max = a.max(axis=0)
-        self.absmax = max(self.absmax, float(ch_max.max()))
-        self.minimum = min(self.minimum, float(x.min()))
-        self.maximum = max(self.maximum, float(x.max()))
-        self.count += a.size
-        self.channel_absmax = np.maximum(self.channel_absmax, ch_max)
-        # Bin indices from one log2: f = floor(16 log2|x|) is exact (scaling by 2^k is), and
-        # floor(2 log2|x|) = f // 8. log2(0) = -inf and NaN go to bin 0 and +inf to the last
-        # bin, as clamping the float values would put them.
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t = np.log2(a, out=a)
-        t *= HIST_PER_OCTAVE
-        np.floor(t, out=t)
-        np.fmax(t, -_FAR, out=t)  # also NaN -> -_FAR
-        np.fmin(t, _FAR, out=t)
-        f = t.astype(np.int32)
-        nf, nb = len(self.hist), self.channel_hist.shape[1]
-        fine = np.clip(f - HIST_MIN_EXP * HIST_PER_OCTAVE + 1, 0, nf - 1)
-        self.hist += np.bincount(fine.ravel(), minlength=nf)
-        coarse = np.clip(f // (HIST_PER_OCTAVE // CH_PER_OCTAVE) - CH_MIN_EXP * CH_PER_OCTAVE + 1, 0, nb - 1)
-        coarse += np.arange(a.shape[1], dtype=np.int32)[None, :] * nb
-        self.channel_hist += np.bincount(coarse.ravel(), minlength=self.channel_hist.size).reshape(self.channel_hist.shape)
+        # Everything comes from |x|'s float32 bits: they order like |x| (for the
+        # maxima) and their top 20 bits decide both bins (one table lookup).
+        mag = np.ascontiguousarray(x, np.float32).view(np.int32) & np.int32(0x7FFFFFFF)
+        ch_max = mag.max(axis=0)
+        self.channel_absmax = np.maximum(self.channel_absmax, ch_max.view(np.float32))
+        self.absmax = max(self.absmax, float(self.channel_absmax.max()))
+        self.count += mag.size
+        mag >>= BIN_KEY_SHIFT
+        bins = _bin_tables()[mag]
+        nf, nb = self.hist.size, self.channel_hist.shape[1]
+        self.hist += np.bincount((bins & 0xFFFF).ravel(), minlength=nf)
+        bins >>= 16
+        bins += np.arange(0, mag.shape[1] * nb, nb, dtype=np.int32)
+        self.channel_hist += np.bincount(bins.ravel(), minlength=self.channel_hist.size).reshape(self.channel_hist.shape)
 
     def freeze(self) -> TensorStats:
-        return TensorStats(self.absmax, self.count, self.hist, self.channel_absmax, self.channel_hist, self.minimum, self.maximum)
+        return TensorStats(self.absmax, self.count, self.hist, self.channel_absmax, self.channel_hist)
 
 
 class Calibrate(Pass):
@@ -116,8 +119,7 @@ class Calibrate(Pass):
         ids = self._tokens(ctx.inputs.encode, text, opts.calib_tokens)
         if len(ids) < 16:
             raise CompileError(f"calibration text {corpus} gives only {len(ids)} tokens", hint="use a longer --calib file")
-        stats = self._collect(graph, ids, linears)
-        result = CalibrationStats(corpus, len(ids), *stats)
+        result = CalibrationStats(corpus, len(ids), self._collect(graph, ids, linears))
         self._save(ctx, key, result)
         ctx.put(result)
         return PassResult(False)
@@ -132,31 +134,29 @@ class Calibrate(Pass):
                 return ids[:n]
             chars *= 2
 
-    def _collect(self, graph: Graph, ids: list[int], linears):
+    def _collect(self, graph: Graph, ids: list[int], linears) -> dict[str, TensorStats]:
         from llmc.interpreter import Interpreter
 
-        watched_inputs = {n.inputs[0].name for n in linears}
-        watched_nodes = {n.name for n in linears}
-        ins: dict[str, _Accumulator] = {}
-        outs: dict[str, _Accumulator] = {}
+        # q/k/v (and gate/up) read one value: observe it at its first reader only.
+        first_reader = {}
+        for n in linears:
+            first_reader.setdefault(n.inputs[0].name, n.name)
+        watched = set(first_reader.values())
+        stats: dict[str, _Accumulator] = {}
 
         def observe(node, inputs, outputs):
-            if node.name not in watched_nodes:
-                return
-            v = node.inputs[0].name
-            if v in watched_inputs and self._seen.get(v) != self._run:
-                self._seen[v] = self._run
-                ins.setdefault(v, _Accumulator(inputs[0].shape[1])).add(inputs[0])
-            outs.setdefault(node.name, _Accumulator(outputs[0].shape[1])).add(outputs[0])
+            if node.name in watched:
+                x = inputs[0]
+                stats.setdefault(node.inputs[0].name, _Accumulator(x.shape[1])).add(x)
 
         interp = Interpreter(graph)
-        self._seen: dict[str, int] = {}
         sel = graph.find("SelectRows")
-        for self._run, s in enumerate(range(0, len(ids), SEQ_LEN)):
+        for s in range(0, len(ids), SEQ_LEN):
             part = ids[s : s + SEQ_LEN]
-            interp.run(part, observer=observe, select_rows=np.arange(len(part)) if sel else None)
+            # the last Linear (the LM head) needs its input only: skip its logits
+            interp.run(part, observer=observe, select_rows=np.arange(len(part)) if sel else None, stop_at=linears[-1].name)
             log.info("calibrated on %d/%d tokens", min(s + SEQ_LEN, len(ids)), len(ids))
-        return {k: a.freeze() for k, a in ins.items()}, {k: a.freeze() for k, a in outs.items()}
+        return {k: a.freeze() for k, a in stats.items()}
 
     # -- cache -----------------------------------------------------------------
     def _key(self, graph, ctx, text, linears) -> str:
@@ -168,7 +168,7 @@ class Calibrate(Pass):
             "tokens": ctx.options.calib_tokens,
             "seq": SEQ_LEN,
             "linears": [(n.name, n.inputs[0].name) for n in linears],
-            "bins": [HIST_PER_OCTAVE, HIST_MIN_EXP, HIST_MAX_EXP, CH_PER_OCTAVE, CH_MIN_EXP],
+            "bins": [HIST_PER_OCTAVE, HIST_MIN_EXP, HIST_MAX_EXP, CH_PER_OCTAVE, CH_MIN_EXP, BIN_KEY_SHIFT],
         }
         h.update(json.dumps(meta, sort_keys=True).encode())
         return h.hexdigest()
@@ -183,13 +183,12 @@ class Calibrate(Pass):
         if path is None:
             return
         arrays: dict[str, np.ndarray] = {"meta": np.array(json.dumps({"corpus": result.corpus, "tokens": result.tokens}))}
-        for kind, table in (("in", result.inputs), ("out", result.outputs)):
-            for name, st in table.items():
-                p = f"{kind}|{name}|"
-                arrays[p + "scalars"] = np.array([st.absmax, st.count, st.minimum, st.maximum], np.float64)
-                arrays[p + "hist"] = st.hist
-                arrays[p + "channel_absmax"] = st.channel_absmax
-                arrays[p + "channel_hist"] = st.channel_hist
+        for name, st in result.inputs.items():
+            p = f"{name}|"
+            arrays[p + "scalars"] = np.array([st.absmax, st.count], np.float64)
+            arrays[p + "hist"] = st.hist
+            arrays[p + "channel_absmax"] = st.channel_absmax
+            arrays[p + "channel_hist"] = st.channel_hist
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
         np.savez_compressed(tmp, **arrays)
@@ -202,18 +201,18 @@ class Calibrate(Pass):
         try:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
-                tables: dict[str, dict[str, dict[str, np.ndarray]]] = {"in": {}, "out": {}}
+                table: dict[str, dict[str, np.ndarray]] = {}
                 for k in z.files:
                     if k == "meta":
                         continue
-                    kind, name, field = k.split("|")
-                    tables[kind].setdefault(name, {})[field] = z[k]
+                    name, field = k.split("|")
+                    table.setdefault(name, {})[field] = z[k]
         except (OSError, ValueError, KeyError) as e:
             log.warning("ignoring unreadable calibration cache %s: %s", path, e)
             return None
 
         def build(d):
-            absmax, count, mn, mx = d["scalars"]
-            return TensorStats(float(absmax), int(count), d["hist"], d["channel_absmax"], d["channel_hist"], float(mn), float(mx))
+            absmax, count = d["scalars"]
+            return TensorStats(float(absmax), int(count), d["hist"], d["channel_absmax"], d["channel_hist"])
 
-        return CalibrationStats(meta["corpus"], meta["tokens"], {k: build(v) for k, v in tables["in"].items()}, {k: build(v) for k, v in tables["out"].items()})
+        return CalibrationStats(meta["corpus"], meta["tokens"], {k: build(v) for k, v in table.items()})
