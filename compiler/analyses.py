@@ -275,8 +275,9 @@ class OffloadPlan:
 
     ``streamed`` weights are read from the bundle for every use, ``prefetch_depth``
     steps ahead, into a ring of buffers of ``buffer_bytes``; ``row_streamed``
-    tables (embedding, shadow weights) are read by row when a token needs them.
-    All byte counts are of the bundle's stored weights.
+    tables (embedding, shadow weights) are read by row when a token needs them,
+    except their ``resident_rows``, read once at load. All byte counts are of the
+    bundle's stored weights; ``resident_bytes`` includes the resident rows.
     """
 
     budget_bytes: int
@@ -290,3 +291,4 @@ class OffloadPlan:
     prefetch_depth: int
     predicted_decode_s: float  # per token, with prefetching
     predicted_decode_no_prefetch_s: float
+    resident_rows: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # row_streamed table -> rows kept in memory

@@ -177,7 +177,8 @@ def plan(model, profile, prompt_len, target, chunk, memory_budget, prefetch_dept
     click.echo(f"memory     weights {format_size(mem['weight_bytes'])}, KV cache {format_size(mem['kv_cache_bytes'])} at {prompt_len} tokens")
     if "offload" in d:
         o = d["offload"]
-        click.echo(f"offload    budget {format_size(o['budget_bytes'])}: resident {format_size(o['resident_bytes'])}, streamed "
+        rows = f" incl. {o['resident_shadow_rows']} shadow rows" if o["resident_shadow_rows"] else ""
+        click.echo(f"offload    budget {format_size(o['budget_bytes'])}: resident {format_size(o['resident_bytes'])}{rows}, streamed "
                    f"{format_size(o['streamed_bytes_per_token'])}/token, ring {format_size(o['buffer_bytes'])} (depth {o['prefetch_depth']}); "
                    f"decode {o['decode_tok_s_prefetch']:.1f} tok/s with prefetch, {o['decode_tok_s_no_prefetch']:.1f} without")
 
@@ -327,7 +328,9 @@ def inspect(bundle, as_json, no_verify):
         "total_bytes": sum(f["bytes"] for f in files.values()),
         "qnn": _qnn_summary(m.get("qnn")),
         "mlir": sorted({e["dialect"] for g in (m.get("mlir") or {}).values() for e in g.values()}),
-        "offload": {k: v for k, v in m["offload"].items() if not isinstance(v, list)} | {k: len(m["offload"][k]) for k in ("resident", "streamed", "row_streamed")}
+        "offload": {k: v for k, v in m["offload"].items() if not isinstance(v, (list, dict))}
+        | {k: len(m["offload"][k]) for k in ("resident", "streamed", "row_streamed")}
+        | {"resident_rows": sum(len(r) for r in m["offload"].get("resident_rows", {}).values())}
         if "offload" in m else None,
         "placement": None,
         "predicted": (m.get("schedule") or {}).get("predicted"),
@@ -366,8 +369,10 @@ def inspect(bundle, as_json, no_verify):
     o = summary["offload"]
     if o is not None:
         click.echo(f"offload    budget {o['budget_bytes'] / 1e6:.1f} MB: {o['resident']} weights resident ({o['resident_bytes'] / 1e6:.1f} MB), "
-                   f"{o['streamed']} streamed ({o['streamed_bytes'] / 1e6:.1f} MB per token), {o['row_streamed']} read by row; "
-                   f"buffer {o['buffer_bytes'] / 1e6:.1f} MB, prefetch depth {o['prefetch_depth']}")
+                   f"{o['streamed']} streamed ({o['streamed_bytes'] / 1e6:.1f} MB per token), {o['row_streamed']} read by row "
+                   f"({o['resident_rows']} of their rows resident); buffer {o['buffer_bytes'] / 1e6:.1f} MB, prefetch depth {o['prefetch_depth']}"
+                   + (f"; predicted decode {1 / o['predicted_decode_s']:.1f} tok/s with prefetch, {1 / o['predicted_decode_no_prefetch_s']:.1f} without"
+                      if o["predicted_decode_s"] > 0 and o["predicted_decode_no_prefetch_s"] > 0 else ""))
     if summary["mlir"]:
         click.echo(f"mlir       {', '.join(summary['mlir'])} modules for every subgraph instance (mlir/)")
     if summary["placement"]:

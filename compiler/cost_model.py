@@ -187,11 +187,11 @@ class CostModel:
         bw = self.profile["storage.read_bytes_per_s"]
         return (self.profile.get("storage.small_read_s") or 4096 / bw) + max(nbytes - 4096, 0) / bw
 
-    def row_reads_per_token(self, tables: set[str]) -> float:
+    def row_reads_per_token(self, tables: set[str], kept: dict[str, tuple[int, ...]] | None = None) -> float:
         """Seconds per decoded token of reading rows of ``tables`` (kept in storage under a
         memory budget): one embedding row, and for every shadow correction the rows of the
-        channels expected to hold an outlier that are not resident hot rows (``p_c`` of each
-        channel for one row; without calibration llm.npu's 0.3% of channels)."""
+        channels expected to hold an outlier that are neither resident hot rows nor ``kept``
+        rows (``p_c`` of each channel for one row; without calibration llm.npu's 0.3% of channels)."""
         t = 0.0
         for node in self.graph.nodes:
             if not any(r.name in tables for r in node.weights.values()):
@@ -200,15 +200,23 @@ class CostModel:
                 t += self.row_read_seconds(node.weights["table"].nbytes / node.weights["table"].shape[0])
             elif node.op == "ShadowOutliers":
                 wt = node.weights["weight_t"]
-                x = node.inputs[0].name
-                q = self.shadow.inputs.get(x) if self.shadow is not None else None
-                if q is not None and q.channel_rates:
-                    hot = set(node.attrs["hot_channels"])
-                    rows = sum(min(r, 1.0) for c, r in enumerate(q.channel_rates) if c not in hot)
+                rates = self.shadow_row_rates(node)
+                if rates is not None:
+                    skip = set((kept or {}).get(wt.name, ()))
+                    rows = sum(r for c, r in rates if c not in skip)
                 else:
-                    rows = self.outlier_channels(x, wt.shape[0], 1)
+                    rows = self.outlier_channels(node.inputs[0].name, wt.shape[0], 1)
                 t += rows * self.row_read_seconds(wt.nbytes / wt.shape[0])
         return t
+
+    def shadow_row_rates(self, node: Node) -> list[tuple[int, float]] | None:
+        """Per input channel of a ShadowOutliers node that is not a resident hot row, the
+        calibrated chance that one token needs its float row; None without calibration."""
+        q = self.shadow.inputs.get(node.inputs[0].name) if self.shadow is not None else None
+        if q is None or not q.channel_rates:
+            return None
+        hot = set(node.attrs["hot_channels"])
+        return [(c, min(r, 1.0)) for c, r in enumerate(q.channel_rates) if c not in hot and r > 0]
 
 
 def gemv_table_seconds(rows: list[list[float]], k: int, n: int) -> float:

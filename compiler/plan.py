@@ -121,6 +121,7 @@ class PlanResult:
             o = self.offload
             d["offload"] = {"budget_bytes": o.budget_bytes, "resident_bytes": o.resident_bytes, "streamed_bytes_per_token": o.streamed_bytes,
                             "buffer_bytes": o.buffer_bytes, "prefetch_depth": o.prefetch_depth,
+                            "resident_shadow_rows": sum(len(r) for r in o.resident_rows.values()),
                             "decode_tok_s_prefetch": 1.0 / o.predicted_decode_s, "decode_tok_s_no_prefetch": 1.0 / o.predicted_decode_no_prefetch_s}
         return d
 

@@ -13,17 +13,30 @@ them, into a ring of buffers. Rules, after FlexInfer (EuroMLSys'25):
   the graph's choice, and when that is to stream it the op reads it by row;
 * *balanced memory locking*: every layer keeps the same share of its matrix
   bytes resident, so each layer streams about the same number of bytes and the
-  prefetcher never falls behind on one layer;
+  prefetcher never falls behind on one layer; a matrix outside the layers (an
+  untied or tied LM head) is kept whole or streamed whole, whichever predicts
+  faster — streamed, it also needs its size in the prefetch ring;
 * *flexible tensor preservation*: within a layer the resident share goes to
   attention matrices first (K and V, then Q and O: small, read by every token),
   then to FFN matrices.
 
-The budget covers resident weights plus the prefetch ring. Predictions, with
-``T`` the compute time per token from the schedule plus the table rows read on
-demand (one embedding row, the expected non-hot outlier rows of every shadow
-correction, each a small random read) and ``S`` the streamed bytes:
-``max(T, S / storage.read_bytes_per_s)`` with prefetching and
-``T + S / storage.read_bytes_per_s`` without.
+The budget covers resident weights, resident shadow rows and the prefetch ring.
+Predictions per decoded token, with ``T`` the compute time from the schedule,
+``R`` the table rows read on demand (one embedding row, the expected outlier
+rows of every shadow correction that are not resident, each a small random
+read) and ``I = S / storage.read_bytes_per_s`` for the streamed bytes ``S``:
+``R + max(T, I)`` with prefetching and ``R + T + I`` without. Row reads are not
+prefetched (which rows a token needs is known only when its step runs), so the
+token waits for them, and they take the storage device from the prefetcher
+while they run: prefetching hides compute behind streaming, not row reads.
+
+*Resident shadow rows*: part of the budget may keep float rows of the shadow
+tables in memory, the rows of the input channels calibration saw beyond the
+clip range most often per byte (``InputQuant.channel_rates``). A resident row
+saves ``p_c`` row reads per token; a resident matrix byte saves one streamed
+byte. The pass tries a range of row counts, fits the largest balanced matrix
+share in the rest of the budget for each, and keeps the split with the lowest
+predicted time per token (with prefetching).
 
 Runs only when ``memory_budget`` is set (bytes, or a percentage of the dense
 weight bytes); produces :class:`llmc.analyses.OffloadPlan`.
@@ -109,37 +122,111 @@ class PlanOffload(Pass):
         for w in big:
             layer = layer_of(w)
             groups.setdefault(layer if layer is not None else f"other:{w}", []).append(w)
-        def attempt(share: float):
-            resident = _balanced(groups, size, share)
+
+        def attempt(share: float, pinned: int, whole: frozenset):
+            resident = _balanced({g: ws for g, ws in groups.items() if g not in whole}, size, share)
+            resident |= {w for g in whole for w in groups[g]}
             streamed = [w for w in big if w not in resident]
             ring = _ring_bytes(plan, streamed, size, depth)
-            return share, resident, streamed, ring, fixed + sum(size[w] for w in resident) + ring
+            return share, resident, streamed, ring, fixed + pinned + sum(size[w] for w in resident) + ring
 
-        best = attempt(1.0)
-        if best[4] > budget:
-            best = attempt(0.0)
+        def fit(pinned: int, whole: frozenset = frozenset()):
+            """The largest per-layer resident share whose resident set (``whole`` groups all in), ``pinned``
+            row bytes and ring fit; None if none does."""
+            best = attempt(1.0, pinned, whole)
+            if best[4] <= budget:
+                return best
+            best = attempt(0.0, pinned, whole)
             if best[4] > budget:
-                raise CompileError(f"--memory-budget {opts.memory_budget} ({format_size(budget)}) is below the minimum of {format_size(best[4])} "
-                                   f"for this model (always-resident small weights {format_size(fixed)} plus the prefetch ring)",
-                                   hint=f"raise the budget to at least {format_size(best[4])}, or lower --prefetch-depth")
+                return None
             lo, hi = 0.0, 1.0
-            for _ in range(30):  # the largest per-layer resident share whose resident set and ring fit
-                trial = attempt((lo + hi) / 2)
+            for _ in range(30):
+                trial = attempt((lo + hi) / 2, pinned, whole)
                 if trial[4] <= budget:
                     best, lo = trial, trial[0]
                 else:
                     hi = trial[0]
-        share, resident, streamed, ring, used = best
+            return best
+
+        if fit(0) is None:
+            floor = attempt(0.0, 0, frozenset())[4]
+            raise CompileError(f"--memory-budget {opts.memory_budget} ({format_size(budget)}) is below the minimum of {format_size(floor)} "
+                               f"for this model (always-resident small weights {format_size(fixed)} plus the prefetch ring)",
+                               hint=f"raise the budget to at least {format_size(floor)}, or lower --prefetch-depth")
+        # Budget bytes buy time two ways: resident matrix bytes are not streamed, and resident
+        # shadow rows are not read one by one. Try shares of the budget for the rows with the
+        # highest calibrated outlier rate per byte; keep the split with the fastest decode.
+        candidates = _row_candidates(graph, plan, cm, set(rows))
+        cum_bytes, cum_saved = [0], [0.0]
+        for saved, nbytes, _, _ in candidates:
+            cum_bytes.append(cum_bytes[-1] + nbytes)
+            cum_saved.append(cum_saved[-1] + saved)
+        # Weights outside the layers (an LM head) are one tensor each: under a share below 1 they
+        # stream whole, and the ring must hold them. Also try keeping them resident outright.
+        others = [g for g in groups if not isinstance(g, int)]
+        options = [frozenset()] + ([frozenset(others)] if others else [])
+        if len(others) > 1:
+            options += [frozenset([g]) for g in others]
+        chosen = None
+        for whole in options:
+            for k in _row_counts(len(candidates)):
+                got = fit(cum_bytes[k], whole)
+                if got is None:
+                    break  # more rows fit even less
+                streamed_k = got[2]
+                rows_k = rows + [w for w in tied if w in streamed_k]
+                row_s = cm.row_reads_per_token(set(rows_k)) - cum_saved[k]
+                io = cm.io_seconds(sum(size[w] for w in streamed_k))
+                t = row_s + max(sched.decode_s, io)  # row reads hold both the token and the storage device
+                if chosen is None or t < chosen[0] - 1e-12:
+                    chosen = (t, row_s + sched.decode_s + io, k, got, rows_k)
+        predicted, predicted_no_prefetch, k, (share, resident, streamed, ring, used), rows = chosen
+        kept: dict[str, list[int]] = {}
+        for _, _, table, row in candidates[:k]:
+            kept.setdefault(table, []).append(row)
+        resident_rows = {t: tuple(sorted(r)) for t, r in sorted(kept.items())}
         resident_all = small + extra + [w for w in big if w in resident]
-        rows += [w for w in tied if w in streamed]  # the graph streams it whole, the op reads its rows
         s_bytes = sum(size[w] for w in streamed)
-        io = cm.io_seconds(s_bytes)
-        t = sched.decode_s + cm.row_reads_per_token(set(rows))  # row reads happen when the step runs: not prefetched
-        log.info("plan_offload: budget %s, resident %s (share %.0f%% per layer), streamed %s per token, ring %s",
-                 format_size(budget), format_size(used - ring), share * 100, format_size(s_bytes), format_size(ring))
+        log.info("plan_offload: budget %s, resident %s (share %.0f%% per layer, %d shadow rows %s), streamed %s per token, ring %s",
+                 format_size(budget), format_size(used - ring), share * 100, k, format_size(cum_bytes[k]), format_size(s_bytes), format_size(ring))
         ctx.put(OffloadPlan(budget, total, tuple(resident_all), tuple(streamed), tuple(rows), used - ring, s_bytes, ring, depth,
-                            max(t, io), t + io))
+                            predicted, predicted_no_prefetch, resident_rows))
         return PassResult(False)
+
+
+def _row_candidates(graph: Graph, plan: ChunkPlan, cm, tables: set[str]) -> list[tuple[float, int, str, int]]:
+    """Shadow rows worth keeping resident, best first: (seconds saved per token, bytes, table, row),
+    ordered by seconds saved per byte (a row's calibrated outlier rate times one row read)."""
+    out = []
+    seen: set[str] = set()
+    for st in plan.steps:
+        if st.kind != "op":
+            continue
+        node = graph.node(st.name)
+        if node.op != "ShadowOutliers":
+            continue
+        wt = node.weights["weight_t"]
+        if wt.name not in tables or wt.name in seen:
+            continue
+        seen.add(wt.name)
+        rates = cm.shadow_row_rates(node)
+        if not rates:
+            continue
+        nbytes = wt.nbytes // wt.shape[0]
+        read_s = cm.row_read_seconds(nbytes)
+        out += [(r * read_s, nbytes, wt.name, c) for c, r in rates]
+    out.sort(key=lambda c: (-c[0] / c[1], c[2], c[3]))
+    return out
+
+
+def _row_counts(n: int) -> list[int]:
+    """How many of ``n`` ranked rows to try keeping: none, then about 40 steps growing by ~20% up to all."""
+    counts = {0, n}
+    k = 16.0
+    while k < n:
+        counts.add(int(k))
+        k *= 1.2
+    return sorted(counts)
 
 
 def _balanced(groups: dict[object, list[str]], size: dict[str, int], share: float) -> set[str]:

@@ -253,6 +253,28 @@ def test_row_table_reads_rows(tmp_path):
     g.close()
 
 
+def test_row_table_keeps_planned_rows_and_reads_the_rest_in_parallel(tmp_path):
+    from llmc.runtime.errors import BundleError
+    from llmc.runtime.residency import RowReader, RowTable, WeightFile
+
+    table = np.random.default_rng(0).standard_normal((300, 700)).astype(np.float32)  # rows span block edges
+    p = tmp_path / "w.bin"
+    p.write_bytes(b"\0" * 100 + table.tobytes())
+    f = WeightFile(p)
+    reader = RowReader(f, workers=4)
+    rt = RowTable(f, "t", 100, table.shape, np.float32, reader=reader, keep=[5, 7, 299, 5])
+    assert rt.resident_bytes == 3 * 700 * 4 and rt.rows_read == 0
+    idx = np.array([[7, 1, 5], [299, 8, 1]])
+    assert np.array_equal(rt[idx], table[idx])
+    assert rt.rows_read == 2  # rows 1 and 8; the kept rows come from memory
+    many = np.arange(0, 300, 7)
+    assert np.array_equal(rt[many], table[many])  # split across the reader's threads
+    with pytest.raises(BundleError, match="beyond"):
+        RowTable(f, "t", 100, table.shape, np.float32, keep=[300])
+    reader.close()
+    f.close()
+
+
 def _tamper(bundle: Path, tmp_path: Path, edit) -> Path:
     out = tmp_path / f"t{len(list(tmp_path.iterdir()))}"
     shutil.copytree(bundle, out)
@@ -268,6 +290,9 @@ def _first_streamed_graph(m):
 
 @pytest.mark.parametrize("edit,match", [
     (lambda m: m["offload"].update(evict_policy="lru"), "does not know"),
+    (lambda m: m["offload"].update(resident_rows=[1]), "'resident_rows' has the wrong type"),
+    (lambda m: m["offload"].update(resident_rows={m["offload"]["streamed"][0]: [0]}), "not tables read by row"),
+    (lambda m: m["offload"].update(resident_rows={m["offload"]["row_streamed"][0]: ["0"]}), "not a list of integers"),
     (lambda m: m["offload"].pop("buffer_bytes"), "lacks 'buffer_bytes'"),
     (lambda m: m["offload"].update(prefetch_depth="2"), "lacks 'prefetch_depth' or it has the wrong type"),
     (lambda m: m.update(offload=[1, 2]), "not an object"),
@@ -383,6 +408,25 @@ def test_plan_offload_bundle_runs_like_the_unbudgeted_one(pairs, tmp_path, model
         assert 0 < st.peak_buffer_bytes <= off["buffer_bytes"]
 
 
+def test_budget_above_the_matrices_keeps_shadow_rows_resident(pairs, tmp_path, model_dirs, calib_words):
+    """A budget with room beyond the matrices buys shadow rows too: the runtime reads them once, serves
+    them from memory, and reads only the others; logits stay bit-identical."""
+    from llmc.compile import compile_model
+
+    plain, _ = pairs("llama", "npu", _matrices)
+    out = tmp_path / "rows"
+    compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget="130%",
+                  calib_file=str(calib_words), **NPU_KW)
+    off = json.loads((out / "manifest.json").read_text())["offload"]
+    assert off["resident_rows"] and off["resident_bytes"] + off["buffer_bytes"] <= off["budget_bytes"]
+    _, ref_logits, ref_toks = _run(plain, True)
+    s, logits, toks = _run(out, True)
+    tables = {n: t for n, t in s.residency.weights.items() if n in off["resident_rows"]}
+    assert tables and all(t.resident_bytes == len(off["resident_rows"][n]) * t.row_bytes for n, t in tables.items())
+    s.close()
+    assert np.array_equal(logits, ref_logits) and toks == ref_toks
+
+
 def test_tied_embedding_streamed_for_the_head_and_read_by_row(tmp_path, model_dirs, monkeypatch):
     """An embedding tied to the LM head: plan_offload streams it for the head graph and the
     Embedding op reads its rows; the bundle runs and matches the unbudgeted one."""
@@ -391,7 +435,7 @@ def test_tied_embedding_streamed_for_the_head_and_read_by_row(tmp_path, model_di
     d = model_dirs("llama_tied_mha")
     plain, out = tmp_path / "plain", tmp_path / "budget"
     compile_model(str(d), plain, target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT)
-    compile_model(str(d), out, target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget="95%", prefetch_depth=0)
+    compile_model(str(d), out, target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget="60%", prefetch_depth=0)  # below 70% the head no longer fits resident
     m = json.loads((out / "manifest.json").read_text())
     off = m["offload"]
     table = next(s["weights"]["table"] for s in m["program"] if s.get("op") == "Embedding")

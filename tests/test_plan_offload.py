@@ -45,9 +45,9 @@ def test_half_budget_is_balanced_and_attention_first(tmp_path):
 
     cm = cost_model(graph, ctx)
     rows = cm.row_reads_per_token(set(o.row_streamed))
-    t = ctx.get(Schedule).decode_s + rows
-    assert o.predicted_decode_s == pytest.approx(max(t, cm.io_seconds(o.streamed_bytes)))
-    assert o.predicted_decode_no_prefetch_s == pytest.approx(t + cm.io_seconds(o.streamed_bytes))
+    t, io = ctx.get(Schedule).decode_s, cm.io_seconds(o.streamed_bytes)
+    assert o.predicted_decode_s == pytest.approx(rows + max(t, io))
+    assert o.predicted_decode_no_prefetch_s == pytest.approx(rows + t + io)
     embed = next(n for n in graph.nodes if n.op == "Embedding").weights["table"]
     small = cm.profile["storage.small_read_s"]
     assert cm.row_read_seconds(100) == small and cm.row_read_seconds(4096 + 4e9) == pytest.approx(small + 1.0)
@@ -74,3 +74,71 @@ def test_parse_size():
 
     assert parse_size("300MB") == 300_000_000 and parse_size("1.5GiB") == int(1.5 * 2**30) and parse_size("50%", 1000) == 500
     assert parse_size("123") == 123
+
+
+def test_budget_buys_the_shadow_rows_read_most_often_per_byte(tmp_path):
+    """With calibrated channel rates, part of the budget keeps the float shadow rows with the highest
+    outlier rate per byte resident: a prefix of that ranking, counted in resident_bytes and in the prediction."""
+    import dataclasses
+
+    import numpy as np
+
+    from llmc.analyses import OffloadPlan, Schedule, ShadowPlan
+    from llmc.passes.place import cost_model
+    from llmc.passes.plan_offload import PlanOffload
+
+    graph, ctx = _plan(tmp_path, "50%")
+    no_rates = ctx.get(OffloadPlan)
+    assert no_rates.resident_rows == {}  # the assumed plan has no per-channel rates: nothing to rank
+    sp = ctx.get(ShadowPlan)
+    features = {n.inputs[0].name: n.inputs[0].shape[1] for n in graph.nodes if n.op == "ShadowOutliers"}
+    rng = np.random.default_rng(0)
+    inputs = {}
+    for v, q in sp.inputs.items():
+        if q.shadow:
+            rates = rng.uniform(0, 0.3, features[v])  # enough row reads per token to outweigh streaming
+            rates[rng.choice(len(rates), 8, replace=False)] = 0.9  # a few channels with outliers on most tokens
+            q = dataclasses.replace(q, channel_rates=tuple(float(r) for r in rates))
+        inputs[v] = q
+    ctx.put(dataclasses.replace(sp, inputs=inputs))
+    PlanOffload().run(graph, ctx)
+    o = ctx.get(OffloadPlan)
+    cm = cost_model(graph, ctx)
+    assert o.resident_rows and set(o.resident_rows) <= set(o.row_streamed)
+    # value per byte of every candidate row; the kept ones are the best of them
+    value = {}
+    for node in graph.nodes:
+        if node.op == "ShadowOutliers" and node.weights["weight_t"].name in o.row_streamed:
+            wt = node.weights["weight_t"]
+            nbytes = wt.nbytes // wt.shape[0]
+            for c, r in cm.shadow_row_rates(node):
+                value[wt.name, c] = (r * cm.row_read_seconds(nbytes) / nbytes, nbytes)
+            assert not set(o.resident_rows.get(wt.name, ())) & set(node.attrs["hot_channels"])
+    kept = {(t, c) for t, rows in o.resident_rows.items() for c in rows}
+    assert kept < set(value)
+    assert min(value[k][0] for k in kept) >= max(v[0] for k, v in value.items() if k not in kept)
+    size = {w.name: w.nbytes for w in graph.weights}
+    assert o.resident_bytes == sum(size[w] for w in o.resident) + sum(value[k][1] for k in kept)
+    assert o.resident_bytes + o.buffer_bytes <= o.budget_bytes
+    rows = cm.row_reads_per_token(set(o.row_streamed), o.resident_rows)
+    assert rows < cm.row_reads_per_token(set(o.row_streamed))
+    t, io = ctx.get(Schedule).decode_s, cm.io_seconds(o.streamed_bytes)
+    assert o.predicted_decode_s == pytest.approx(rows + max(t, io))
+    assert o.predicted_decode_no_prefetch_s == pytest.approx(rows + t + io)
+
+
+def test_head_kept_whole_or_streamed_whole(tmp_path):
+    """A matrix outside the layers (a large LM head) is resident or streamed whole; streamed, the ring
+    must hold it. Below its size it streams; with room for it, keeping it whole also frees its ring share."""
+    from llmc.analyses import OffloadPlan
+
+    where = {}
+    for budget in ("60%", "75%"):  # the head is 52% of the weights
+        graph, ctx = plan_small(tmp_path, memory_budget=budget, config={"vocab_size": 49152})
+        o = ctx.get(OffloadPlan)
+        size = {w.name: w.nbytes for w in graph.weights}
+        head = max((w for w in list(o.resident) + list(o.streamed) if w.startswith("lm_head")), key=size.get)
+        where[budget] = head in o.resident
+        assert (o.buffer_bytes < size[head]) == where[budget]  # streamed, the ring holds it whole
+        assert o.resident_bytes + o.buffer_bytes <= o.budget_bytes
+    assert where == {"60%": False, "75%": True}
