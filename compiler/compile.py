@@ -300,7 +300,9 @@ def _offload_section(ctx: PassContext, weights: dict[str, dict[str, Any]]) -> di
         if unknown:
             raise CompileError(f"the offload plan's {key} weights {unknown[:3]} are not in the bundle's weight table",
                                hint="the pass that made the OffloadPlan named weights the pipeline removed; rerun it after the passes that rename weights")
-    section["resident_rows"] = {name: [int(r) for r in rows] for name, rows in plan.resident_rows.items()}
+    section.pop("resident_rows")
+    if plan.resident_rows:  # optional in the format: bundles that keep no rows stay readable by older runtimes
+        section["resident_rows"] = {name: [int(r) for r in rows] for name, rows in plan.resident_rows.items()}
     return section
 
 

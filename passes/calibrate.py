@@ -63,7 +63,7 @@ def _bin_tables() -> np.ndarray:
     """Per 20-bit magnitude key: fine bin | coarse bin << 16 (see ``hist_edges``)."""
     keys = np.arange(1 << (31 - BIN_KEY_SHIFT), dtype=np.int64)
     floor = (keys << BIN_KEY_SHIFT).astype(np.int32).view(np.float32)  # smallest |x| with each key
-    floor[keys > (0x7F800000 >> BIN_KEY_SHIFT)] = 0.0  # NaN goes to bin 0 (+inf to the last bin)
+    floor[keys > (0x7F800000 >> BIN_KEY_SHIFT)] = 0.0  # NaN keys (add() clears NaN before the lookup); +inf is the last bin
     fine = np.searchsorted(hist_edges(), floor, side="right") - 1
     coarse = np.searchsorted(channel_edges(), floor, side="right") - 1
     return (fine | coarse << 16).astype(np.int32)
@@ -83,6 +83,7 @@ class _Accumulator:
         # Everything comes from |x|'s float32 bits: they order like |x| (for the
         # maxima) and their top 20 bits decide both bins (one table lookup).
         mag = np.ascontiguousarray(x, np.float32).view(np.int32) & np.int32(0x7FFFFFFF)
+        mag[mag > 0x7F800000] = 0  # NaN counts as zero (bin 0), as it never raises a maximum
         ch_max = mag.max(axis=0)
         self.channel_absmax = np.maximum(self.channel_absmax, ch_max.view(np.float32))
         self.absmax = max(self.absmax, float(self.channel_absmax.max()))
@@ -101,7 +102,7 @@ class _Accumulator:
 
 class Calibrate(Pass):
     name = "calibrate"
-    summary = "run the model on calibration text; record per-tensor stats of every Linear input/output"
+    summary = "run the model on calibration text; record per-tensor and per-channel stats of every Linear input"
     produces = (CalibrationStats,)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
@@ -154,7 +155,7 @@ class Calibrate(Pass):
         for s in range(0, len(ids), SEQ_LEN):
             part = ids[s : s + SEQ_LEN]
             # the last Linear (the LM head) needs its input only: skip its logits
-            interp.run(part, observer=observe, select_rows=np.arange(len(part)) if sel else None, stop_at=linears[-1].name)
+            interp.run(part, observer=observe, select_rows=np.arange(len(part)) if sel else None, stop_at=linears[-1].name if linears else None)
             log.info("calibrated on %d/%d tokens", min(s + SEQ_LEN, len(ids)), len(ids))
         return {k: a.freeze() for k, a in stats.items()}
 

@@ -8,7 +8,8 @@ them, into a ring of buffers. Rules, after FlexInfer (EuroMLSys'25):
 * small weights (vectors: norms, scales, biases; anything under 4 KiB) are
   always resident;
 * tables the runtime reads by row (the embedding gather, the shadow-outlier
-  weights) are never resident: they are read row by row when a token needs them;
+  weights) are not resident as a whole: they are read row by row when a token
+  needs them, except the shadow rows the plan keeps (below);
   a table a graph also reads whole (an embedding tied to the LM head) follows
   the graph's choice, and when that is to stream it the op reads it by row;
 * *balanced memory locking*: every layer keeps the same share of its matrix
@@ -93,8 +94,8 @@ class PlanOffload(Pass):
             for w in s.weights:
                 if w not in dense:
                     dense.append(w)
-        # Op-step weights: tables read by row are never resident; the rest (rotary inv_freq,
-        # resident shadow rows) are read in full and stay resident.
+        # Op-step weights: tables read by row are not resident as a whole; the rest (rotary
+        # inv_freq, the shadow paths' hot_rows) are read in full and stay resident.
         rows: list[str] = []
         extra: list[str] = []
         tied: list[str] = []  # tables read by row that a graph also reads whole (a tied embedding / LM head)
@@ -148,8 +149,14 @@ class PlanOffload(Pass):
                     hi = trial[0]
             return best
 
-        if fit(0) is None:
-            floor = attempt(0.0, 0, frozenset())[4]
+        # Weights outside the layers (an LM head) are one tensor each: under a share below 1 they
+        # stream whole, and the ring must hold them. Also try keeping them resident outright.
+        others = [g for g in groups if not isinstance(g, int)]
+        options = [frozenset()] + ([frozenset(others)] if others else [])
+        if len(others) > 1:
+            options += [frozenset([g]) for g in others]
+        if all(fit(0, whole) is None for whole in options):
+            floor = min(attempt(0.0, 0, whole)[4] for whole in options)
             raise CompileError(f"--memory-budget {opts.memory_budget} ({format_size(budget)}) is below the minimum of {format_size(floor)} "
                                f"for this model (always-resident small weights {format_size(fixed)} plus the prefetch ring)",
                                hint=f"raise the budget to at least {format_size(floor)}, or lower --prefetch-depth")
@@ -161,12 +168,7 @@ class PlanOffload(Pass):
         for saved, nbytes, _, _ in candidates:
             cum_bytes.append(cum_bytes[-1] + nbytes)
             cum_saved.append(cum_saved[-1] + saved)
-        # Weights outside the layers (an LM head) are one tensor each: under a share below 1 they
-        # stream whole, and the ring must hold them. Also try keeping them resident outright.
-        others = [g for g in groups if not isinstance(g, int)]
-        options = [frozenset()] + ([frozenset(others)] if others else [])
-        if len(others) > 1:
-            options += [frozenset([g]) for g in others]
+        row_seconds: dict[frozenset, float] = {}  # the tables read by row differ only in a tied table
         chosen = None
         for whole in options:
             for k in _row_counts(len(candidates)):
@@ -175,7 +177,10 @@ class PlanOffload(Pass):
                     break  # more rows fit even less
                 streamed_k = got[2]
                 rows_k = rows + [w for w in tied if w in streamed_k]
-                row_s = cm.row_reads_per_token(set(rows_k)) - cum_saved[k]
+                key = frozenset(rows_k)
+                if key not in row_seconds:
+                    row_seconds[key] = cm.row_reads_per_token(set(key))
+                row_s = row_seconds[key] - cum_saved[k]
                 io = cm.io_seconds(sum(size[w] for w in streamed_k))
                 t = row_s + max(sched.decode_s, io)  # row reads hold both the token and the storage device
                 if chosen is None or t < chosen[0] - 1e-12:

@@ -434,7 +434,7 @@ class Session:
         return out
 
     def close(self) -> None:
-        """Stop the prefetch thread and close the weight file (budgeted bundles); the session is unusable after."""
+        """Stop the prefetch and row-reader threads and close the weight file (budgeted bundles); the session is unusable after."""
         if self.residency is not None:
             self.residency.close()
 

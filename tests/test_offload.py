@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -271,7 +272,9 @@ def test_row_table_keeps_planned_rows_and_reads_the_rest_in_parallel(tmp_path):
     assert np.array_equal(rt[many], table[many])  # split across the reader's threads
     with pytest.raises(BundleError, match="beyond"):
         RowTable(f, "t", 100, table.shape, np.float32, keep=[300])
+    assert any(t.name.startswith("llmc-rows") for t in threading.enumerate())
     reader.close()
+    assert not any(t.name.startswith("llmc-rows") for t in threading.enumerate())
     f.close()
 
 
@@ -291,8 +294,11 @@ def _first_streamed_graph(m):
 @pytest.mark.parametrize("edit,match", [
     (lambda m: m["offload"].update(evict_policy="lru"), "does not know"),
     (lambda m: m["offload"].update(resident_rows=[1]), "'resident_rows' has the wrong type"),
-    (lambda m: m["offload"].update(resident_rows={m["offload"]["streamed"][0]: [0]}), "not tables read by row"),
-    (lambda m: m["offload"].update(resident_rows={m["offload"]["row_streamed"][0]: ["0"]}), "not a list of integers"),
+    (lambda m: m["offload"].update(resident_rows={m["offload"]["streamed"][0]: [0]}), "not a table read by row"),
+    (lambda m: m["offload"].update(resident_rows={m["offload"]["row_streamed"][0]: ["0"]}), "not distinct row numbers"),
+    (lambda m: m["offload"].update(resident_rows={m["offload"]["row_streamed"][0]: [True]}), "not distinct row numbers"),
+    (lambda m: m["offload"].update(resident_rows={m["offload"]["row_streamed"][0]: [1, 1]}), "not distinct row numbers"),
+    (lambda m: m["offload"].update(resident_rows={m["offload"]["row_streamed"][0]: [10**6]}), "not distinct row numbers below"),
     (lambda m: m["offload"].pop("buffer_bytes"), "lacks 'buffer_bytes'"),
     (lambda m: m["offload"].update(prefetch_depth="2"), "lacks 'prefetch_depth' or it has the wrong type"),
     (lambda m: m.update(offload=[1, 2]), "not an object"),
@@ -421,9 +427,12 @@ def test_budget_above_the_matrices_keeps_shadow_rows_resident(pairs, tmp_path, m
     assert off["resident_rows"] and off["resident_bytes"] + off["buffer_bytes"] <= off["budget_bytes"]
     _, ref_logits, ref_toks = _run(plain, True)
     s, logits, toks = _run(out, True)
-    tables = {n: t for n, t in s.residency.weights.items() if n in off["resident_rows"]}
-    assert tables and all(t.resident_bytes == len(off["resident_rows"][n]) * t.row_bytes for n, t in tables.items())
-    s.close()
+    try:
+        tables = {n: t for n, t in s.residency.weights.items() if n in off["resident_rows"]}
+        assert tables and all(t.resident_bytes == len(off["resident_rows"][n]) * t.row_bytes for n, t in tables.items())
+        assert s.residency.resident_bytes == off["resident_bytes"]
+    finally:
+        s.close()
     assert np.array_equal(logits, ref_logits) and toks == ref_toks
 
 

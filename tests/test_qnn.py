@@ -82,7 +82,8 @@ def test_qnn_matches_cpu_provider(qnn_bundle):
     # judged on the reference's prefix, so one near-tie in a random model does not cascade)
     from llmc.runtime.evaluate import agreement
 
-    prompts = [[int(t) for t in np.random.default_rng(seed).integers(4, 100, size=5)] for seed in range(3)]
+    # 8 prompts (128 tokens): with 3 a single near-tie of the random model moved the rate by 2 points
+    prompts = [[int(t) for t in np.random.default_rng(seed).integers(4, 100, size=5)] for seed in range(8)]
     assert agreement(q, c, prompts, new_tokens=16).teacher_forced >= 0.9
 
 

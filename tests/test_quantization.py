@@ -104,19 +104,24 @@ def test_calibration_bins_match_edges():
     edges, ch_edges = hist_edges(), channel_edges()
     flat = x.reshape(-1)
     flat[:4] = [0.0, -0.0, np.inf, -np.inf]
+    flat[50:53] = np.array([0x7FC00000, 0xFFC00000, 0x7F800001], np.uint32).view(np.float32)  # quiet and signalling NaN: bin 0
     flat[100 : 100 + len(edges) - 1] = edges[1:]  # exactly on each edge
     flat[1000 : 1000 + len(edges) - 1] = -np.nextafter(edges[1:].astype(np.float32), np.float32(0))  # just below each edge
     acc = _Accumulator(48)
     acc.add(x[:50])
     acc.add(x[50:])
-    a = np.abs(x.astype(np.float64))
+    a = np.abs(np.where(np.isnan(x), np.float32(0), x).astype(np.float64))
     fine = np.searchsorted(edges, a, side="right") - 1
     coarse = np.searchsorted(ch_edges, a, side="right") - 1
     np.testing.assert_array_equal(acc.hist, np.bincount(fine.ravel(), minlength=len(edges)))
     for c in range(48):
         np.testing.assert_array_equal(acc.channel_hist[c], np.bincount(coarse[:, c], minlength=len(ch_edges)))
-    np.testing.assert_array_equal(acc.channel_absmax, np.abs(x).max(axis=0))
+    np.testing.assert_array_equal(acc.channel_absmax, a.max(axis=0).astype(np.float32))
     assert acc.absmax == np.inf and acc.count == x.size
+    after_nan = _Accumulator(2)  # a NaN neither sticks in the maxima nor stops them from growing
+    after_nan.add(np.array([[1.0, np.nan]], np.float32))
+    after_nan.add(np.array([[100.0, 3.0]], np.float32))
+    assert after_nan.absmax == 100.0 and after_nan.channel_absmax.tolist() == [100.0, 3.0]
     # edges are 16 per octave to within the 12-bit grid, and powers of two are exact
     assert np.all(np.abs(edges[1:] / np.exp2(np.arange(len(edges) - 1) / 16 - 24) - 1) < 2.0**-12)
     assert edges[1 + 16 * 24] == 1.0 and ch_edges[1 + 2 * 4] == 1.0

@@ -106,3 +106,31 @@ def test_dequantized_gguf_cache_gives_identical_bundle(smol_bundles, tmp_path):
     assert files == sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     for f in files:
         assert (first / f).read_bytes() == (out / f).read_bytes(), f
+
+
+def test_gguf_parsed_once_within_a_load():
+    """While loading, one GGUFReader per file (over a plain ndarray, not np.memmap) and one metadata parse
+    shared by the config and tokenizer loads, each caller getting its own copy; both restored after."""
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    from llmc.model_source import _gguf_parsed_once, bundled_model_path
+
+    path = str(bundled_model_path("smollm2-135m"))
+    before = (gguf.GGUFReader, hf_gguf.load_gguf_checkpoint)
+    calls = []
+    real = hf_gguf.load_gguf_checkpoint
+    counting = hf_gguf.load_gguf_checkpoint = lambda *a, **k: calls.append(k.get("return_tensors")) or real(*a, **k)
+    try:
+        with _gguf_parsed_once():
+            r = gguf.GGUFReader(path)
+            assert gguf.GGUFReader(path) is r and type(r.data) is np.ndarray
+            a = hf_gguf.load_gguf_checkpoint(path, return_tensors=False)
+            a["config"]["hidden_size"] = -1
+            b = hf_gguf.load_gguf_checkpoint(path, return_tensors=False)
+            assert calls == [False] and b["config"]["hidden_size"] == 576
+        assert gguf.GGUFReader is before[0] and hf_gguf.load_gguf_checkpoint is counting
+        assert type(gguf.GGUFReader(path).data) is np.memmap
+    finally:
+        hf_gguf.load_gguf_checkpoint = real
+    assert hf_gguf.load_gguf_checkpoint is before[1]
