@@ -14,7 +14,9 @@ them, into a ring of buffers. Rules, after FlexInfer (EuroMLSys'25):
   the graph's choice, and when that is to stream it the op reads it by row;
 * *balanced memory locking*: every layer keeps the same share of its matrix
   bytes resident, so each layer streams about the same number of bytes and the
-  prefetcher never falls behind on one layer; a matrix outside the layers (an
+  prefetcher never falls behind on one layer; whole tensors are the unit, so
+  what the largest equal share leaves goes to one more tensor in as many layers
+  as fit, spread over the model (layers differ by at most one tensor); a matrix outside the layers (an
   untied or tied LM head) is kept whole or streamed whole, whichever predicts
   faster — streamed, it also needs its size in the prefetch ring;
 * *flexible tensor preservation*: within a layer the resident share goes to
@@ -147,7 +149,26 @@ class PlanOffload(Pass):
                     best, lo = trial, trial[0]
                 else:
                     hi = trial[0]
-            return best
+            return top_up(best, pinned)
+
+        def top_up(best, pinned: int):
+            """Spend what the equal share leaves (a layer's next tensor can be larger than the rest of the
+            budget over all layers) on one more tensor in as many layers as fit, spread over the layers."""
+            share, resident, _, ring, used = best
+            resident = set(resident)
+            layers = [g for g in groups if isinstance(g, int) and not all(w in resident for w in groups[g])]
+            added = False
+            for layer in _spread(layers):
+                nxt = next(w for w in sorted(groups[layer], key=lambda w: (preservation_rank(w), groups[layer].index(w))) if w not in resident)
+                if used + size[nxt] <= budget:  # the ring can only shrink as more is resident
+                    resident.add(nxt)
+                    used += size[nxt]
+                    added = True
+            if not added:
+                return best
+            streamed = [w for w in big if w not in resident]
+            ring = _ring_bytes(plan, streamed, size, depth)
+            return share, resident, streamed, ring, fixed + pinned + sum(size[w] for w in resident) + ring
 
         # Weights outside the layers (an LM head) are one tensor each: under a share below 1 they
         # stream whole, and the ring must hold them. Also try keeping them resident outright.
@@ -222,6 +243,19 @@ def _row_candidates(graph: Graph, plan: ChunkPlan, cm, tables: set[str]) -> list
         out += [(r * read_s, nbytes, wt.name, c) for c, r in rates]
     out.sort(key=lambda c: (-c[0] / c[1], c[2], c[3]))
     return out
+
+
+def _spread(items: list) -> list:
+    """``items`` in an order whose every prefix is spread evenly over the list (bit-reversed positions)."""
+    def radical_inverse(i: int) -> float:
+        x, f = 0.0, 0.5
+        while i:
+            x += f * (i & 1)
+            i >>= 1
+            f /= 2
+        return x
+
+    return [items[i] for i in sorted(range(len(items)), key=radical_inverse)]
 
 
 def _row_counts(n: int) -> list[int]:
