@@ -53,7 +53,6 @@ class ChunkPlan:
         raise KeyError(name)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
     """The one-row program decode runs on the CPU (``fuse_cpu_decode``).

@@ -16,9 +16,10 @@ them, into a ring of buffers. Rules, after FlexInfer (EuroMLSys'25):
   bytes resident, so each layer streams about the same number of bytes and the
   prefetcher never falls behind on one layer; whole tensors are the unit, so
   what the largest equal share leaves goes to one more tensor in as many layers
-  as fit, spread over the model (layers differ by at most one tensor); a matrix outside the layers (an
-  untied or tied LM head) is kept whole or streamed whole, whichever predicts
-  faster — streamed, it also needs its size in the prefetch ring;
+  as fit, spread over the model (layers differ by at most one tensor); a matrix
+  outside the layers (an untied or tied LM head) is kept whole or streamed
+  whole, whichever predicts faster — streamed, it also needs its size in the
+  prefetch ring;
 * *flexible tensor preservation*: within a layer the resident share goes to
   attention matrices first (K and V, then Q and O: small, read by every token),
   then to FFN matrices.
@@ -126,12 +127,15 @@ class PlanOffload(Pass):
             layer = layer_of(w)
             groups.setdefault(layer if layer is not None else f"other:{w}", []).append(w)
 
-        def attempt(share: float, pinned: int, whole: frozenset):
-            resident = _balanced({g: ws for g, ws in groups.items() if g not in whole}, size, share)
-            resident |= {w for g in whole for w in groups[g]}
+        def layout(share: float, resident: set[str], pinned: int):
+            """(share, resident, streamed, ring, bytes used) of a resident set with ``pinned`` row bytes."""
             streamed = [w for w in big if w not in resident]
             ring = _ring_bytes(plan, streamed, size, depth)
             return share, resident, streamed, ring, fixed + pinned + sum(size[w] for w in resident) + ring
+
+        def attempt(share: float, pinned: int, whole: frozenset):
+            resident = _balanced({g: ws for g, ws in groups.items() if g not in whole}, size, share)
+            return layout(share, resident | {w for g in whole for w in groups[g]}, pinned)
 
         def fit(pinned: int, whole: frozenset = frozenset()):
             """The largest per-layer resident share whose resident set (``whole`` groups all in), ``pinned``
@@ -154,21 +158,17 @@ class PlanOffload(Pass):
         def top_up(best, pinned: int):
             """Spend what the equal share leaves (a layer's next tensor can be larger than the rest of the
             budget over all layers) on one more tensor in as many layers as fit, spread over the layers."""
-            share, resident, _, ring, used = best
+            share, resident, _, _, used = best
             resident = set(resident)
             layers = [g for g in groups if isinstance(g, int) and not all(w in resident for w in groups[g])]
             added = False
             for layer in _spread(layers):
-                nxt = next(w for w in sorted(groups[layer], key=lambda w: (preservation_rank(w), groups[layer].index(w))) if w not in resident)
+                nxt = next(w for w in _preservation_order(groups[layer]) if w not in resident)
                 if used + size[nxt] <= budget:  # the ring can only shrink as more is resident
                     resident.add(nxt)
                     used += size[nxt]
                     added = True
-            if not added:
-                return best
-            streamed = [w for w in big if w not in resident]
-            ring = _ring_bytes(plan, streamed, size, depth)
-            return share, resident, streamed, ring, fixed + pinned + sum(size[w] for w in resident) + ring
+            return layout(share, resident, pinned) if added else best
 
         # Weights outside the layers (an LM head) are one tensor each: under a share below 1 they
         # stream whole, and the ring must hold them. Also try keeping them resident outright.
@@ -176,11 +176,6 @@ class PlanOffload(Pass):
         options = [frozenset()] + ([frozenset(others)] if others else [])
         if len(others) > 1:
             options += [frozenset([g]) for g in others]
-        if all(fit(0, whole) is None for whole in options):
-            floor = min(attempt(0.0, 0, whole)[4] for whole in options)
-            raise CompileError(f"--memory-budget {opts.memory_budget} ({format_size(budget)}) is below the minimum of {format_size(floor)} "
-                               f"for this model (always-resident small weights {format_size(fixed)} plus the prefetch ring)",
-                               hint=f"raise the budget to at least {format_size(floor)}, or lower --prefetch-depth")
         # Budget bytes buy time two ways: resident matrix bytes are not streamed, and resident
         # shadow rows are not read one by one. Try shares of the budget for the rows with the
         # highest calibrated outlier rate per byte; keep the split with the fastest decode.
@@ -206,6 +201,11 @@ class PlanOffload(Pass):
                 t = row_s + max(sched.decode_s, io)  # row reads hold both the token and the storage device
                 if chosen is None or t < chosen[0] - 1e-12:
                     chosen = (t, row_s + sched.decode_s + io, k, got, rows_k)
+        if chosen is None:  # not even without shadow rows, in any layout
+            floor = min(attempt(0.0, 0, whole)[4] for whole in options)
+            raise CompileError(f"--memory-budget {opts.memory_budget} ({format_size(budget)}) is below the minimum of {format_size(floor)} "
+                               f"for this model (always-resident small weights {format_size(fixed)} plus the prefetch ring)",
+                               hint=f"raise the budget to at least {format_size(floor)}, or lower --prefetch-depth")
         predicted, predicted_no_prefetch, k, (share, resident, streamed, ring, used), rows = chosen
         kept: dict[str, list[int]] = {}
         for _, _, table, row in candidates[:k]:
@@ -268,13 +268,18 @@ def _row_counts(n: int) -> list[int]:
     return sorted(counts)
 
 
+def _preservation_order(names: list[str]) -> list[str]:
+    """A layer's tensors in the order they become resident: attention (K, V first), then FFN; ties in graph order."""
+    return sorted(names, key=lambda w: (preservation_rank(w), names.index(w)))
+
+
 def _balanced(groups: dict[object, list[str]], size: dict[str, int], share: float) -> set[str]:
     """Per group, tensors in preservation order while the group's resident bytes stay within ``share``."""
     resident: set[str] = set()
     for names in groups.values():
         cap = share * sum(size[w] for w in names)
         used = 0
-        for w in sorted(names, key=lambda w: (preservation_rank(w), names.index(w))):
+        for w in _preservation_order(names):
             if used + size[w] <= cap + 1e-9:
                 resident.add(w)
                 used += size[w]

@@ -585,17 +585,17 @@ def check_offload(bundle: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         if key in off and not isinstance(off[key], typ):
             raise BundleError(f"{bad}'s {key!r} has the wrong type", hint=newer)
     table = manifest["weights"]
-    for n, r in off.get("resident_rows", {}).items():
-        if n not in off["row_streamed"]:
-            raise BundleError(f"{bad} keeps rows of {n}, which is not a table read by row", hint="the bundle is corrupt; recompile it")
-        rows = int(table[n]["shape"][0])
-        if not isinstance(r, list) or not all(type(i) is int and 0 <= i < rows for i in r) or len(set(r)) != len(r):
-            raise BundleError(f"{bad} keeps rows of {n} that are not distinct row numbers below {rows}", hint="the bundle is corrupt; recompile it")
     for key in ("resident", "streamed", "row_streamed"):
         missing = [n for n in off[key] if not isinstance(n, str) or n not in table]
         if missing:
             raise BundleError(f"{bad} names {key} weights that are not in the weight table: {missing[:3]}", hint="the bundle is corrupt; recompile it")
     resident, streamed, rows = set(off["resident"]), set(off["streamed"]), set(off["row_streamed"])
+    for n, r in off.get("resident_rows", {}).items():  # names checked above
+        if n not in rows:
+            raise BundleError(f"{bad} keeps rows of {n}, which is not a table read by row", hint="the bundle is corrupt; recompile it")
+        count = int(table[n]["shape"][0])
+        if not isinstance(r, list) or not all(type(i) is int and 0 <= i < count for i in r) or len(set(r)) != len(r):
+            raise BundleError(f"{bad} keeps rows of {n} that are not distinct row numbers below {count}", hint="the bundle is corrupt; recompile it")
     both = (resident & streamed) | (resident & rows)
     if both:
         raise BundleError(f"{bad} makes weights both resident and streamed: {sorted(both)[:3]}", hint="the bundle is corrupt; recompile it")

@@ -395,15 +395,20 @@ def test_smollm2_peak_rss_under_budget(smol_bundles, tmp_path, monkeypatch):
     print(f"SmolLM2 budgeted: peak RSS {r['peak_rss_mb']:.0f} MiB, overhead {r['peak_rss_mb'] - limit_mb + SMOL_OVERHEAD_MB:.0f} MiB")
 
 
-def test_plan_offload_bundle_runs_like_the_unbudgeted_one(pairs, tmp_path, model_dirs, calib_words):
-    """The compiler's own plan (plan_offload under --memory-budget) end to end: compile, honour, same tokens."""
+def _compile_npu_budgeted(model_dirs, calib_words, out: Path, budget: str) -> dict:
+    """The tiny llama compiled for npu by the compiler's own plan under ``budget``; its offload section."""
     from llmc.compile import compile_model
 
+    compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget=budget,
+                  calib_file=str(calib_words), **NPU_KW)
+    return json.loads((out / "manifest.json").read_text())["offload"]
+
+
+def test_plan_offload_bundle_runs_like_the_unbudgeted_one(pairs, tmp_path, model_dirs, calib_words):
+    """The compiler's own plan (plan_offload under --memory-budget) end to end: compile, honour, same tokens."""
     plain, _ = pairs("llama", "npu", _matrices)
     out = tmp_path / "budget"
-    compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget="80%",
-                  calib_file=str(calib_words), **NPU_KW)
-    off = json.loads((out / "manifest.json").read_text())["offload"]
+    off = _compile_npu_budgeted(model_dirs, calib_words, out, "80%")
     assert off["streamed"] and off["resident_bytes"] + off["buffer_bytes"] <= off["budget_bytes"]
     _, ref_logits, ref_toks = _run(plain, True)
     for prefetch in (True, False):
@@ -417,13 +422,9 @@ def test_plan_offload_bundle_runs_like_the_unbudgeted_one(pairs, tmp_path, model
 def test_budget_above_the_matrices_keeps_shadow_rows_resident(pairs, tmp_path, model_dirs, calib_words):
     """A budget with room beyond the matrices buys shadow rows too: the runtime reads them once, serves
     them from memory, and reads only the others; logits stay bit-identical."""
-    from llmc.compile import compile_model
-
     plain, _ = pairs("llama", "npu", _matrices)
     out = tmp_path / "rows"
-    compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget="130%",
-                  calib_file=str(calib_words), **NPU_KW)
-    off = json.loads((out / "manifest.json").read_text())["offload"]
+    off = _compile_npu_budgeted(model_dirs, calib_words, out, "130%")
     assert off["resident_rows"] and off["resident_bytes"] + off["buffer_bytes"] <= off["budget_bytes"]
     _, ref_logits, ref_toks = _run(plain, True)
     s, logits, toks = _run(out, True)
