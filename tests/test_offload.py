@@ -435,6 +435,13 @@ def test_budget_above_the_matrices_keeps_shadow_rows_resident(pairs, tmp_path, m
     finally:
         s.close()
     assert np.array_equal(logits, ref_logits) and toks == ref_toks
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    r = CliRunner().invoke(cli, ["inspect", str(out)])
+    kept = sum(len(v) for v in off["resident_rows"].values())
+    assert r.exit_code == 0 and f"({kept} of their rows resident)" in r.output and "predicted decode" in r.output
 
 
 def test_tied_embedding_streamed_for_the_head_and_read_by_row(tmp_path, model_dirs, monkeypatch):
