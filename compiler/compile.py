@@ -138,7 +138,7 @@ def compile_model(
     seconds["trace"] = time.perf_counter() - t
 
     t = stage("lift")
-    graph = lift_mod.lift(ep, loaded.model, name=type(loaded.model).__name__)
+    graph = lift_mod.lift(ep, loaded.model, name=type(loaded.model).__name__, checkpoint=loaded.checkpoint)
     del ep
     seconds["lift"] = time.perf_counter() - t
 

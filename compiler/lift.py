@@ -32,6 +32,7 @@ import math
 import operator
 from typing import Any
 
+from llmc.checkpoint import Checkpoint
 from llmc.errors import UnsupportedModelError
 from llmc.ir import Graph, Value, WeightStore
 from llmc.model_source import SUPPORTED_MODEL_TYPES
@@ -123,12 +124,13 @@ def _shape(n) -> tuple[int, ...]:
 
 
 class _Lifter:
-    def __init__(self, ep, model, name: str) -> None:
+    def __init__(self, ep, model, name: str, checkpoint) -> None:
         import torch
 
         self.torch = torch
         self.ep = ep
         self.model = model
+        self.checkpoint = checkpoint
         self.config = model.config
         sig = ep.graph_signature
         self.param_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
@@ -174,9 +176,12 @@ class _Lifter:
         name = self.param_of[placeholder.name]
         self._weight_keys[key] = name
         torch = self.torch
-
-        def load(t=t):
-            return t.detach().to(torch.float32).contiguous().numpy()
+        if t.is_meta and self.checkpoint is not None:  # read from the checkpoint when a pass or the backend asks
+            def load(name=name, checkpoint=self.checkpoint):
+                return checkpoint.load(name)
+        else:
+            def load(t=t):
+                return t.detach().to(torch.float32).contiguous().numpy()
 
         return self.graph.weights.add(name, tuple(t.shape), "float32", load)
 
@@ -547,8 +552,11 @@ class _Lifter:
         if hasattr(a, "op") and self.is_param(a):
             t = self.tensor_of(a)
             if t.numel() == 1:
-                # planning from a config (meta tensors): the value is unknown and unused
-                return float("nan") if t.is_meta else float(t.reshape(()).item())
+                if not t.is_meta:
+                    return float(t.reshape(()).item())
+                if self.checkpoint is not None:
+                    return float(self.checkpoint.load(self.param_of[a.name]).reshape(()))
+                return float("nan")  # planning from a config (meta tensors): the value is unknown and unused
         return None
 
     def lift_elementwise(self, n) -> None:
@@ -629,9 +637,14 @@ class _Lifter:
         raise self.unsupported(n, "no lowering for this op outside the recognised modules")
 
 
-def lift(ep, model, name: str = "model") -> Graph:
-    """Lift an exported program of ``model`` into a verified llmc :class:`Graph`."""
-    graph = _Lifter(ep, model, name).run()
+def lift(ep, model, name: str = "model", checkpoint: Checkpoint | None = None) -> Graph:
+    """Lift an exported program of ``model`` into a verified llmc :class:`Graph`.
+
+    Parameters on the meta device are read from ``checkpoint`` when the weight
+    store is asked for them (see :mod:`llmc.checkpoint`); without one they have
+    shapes only, which is enough for planning.
+    """
+    graph = _Lifter(ep, model, name, checkpoint).run()
     graph.verify()
     log.info("lifted %s: %d IR nodes, %d weights", name, len(graph.nodes), len(graph.weights))
     return graph

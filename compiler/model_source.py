@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmc.checkpoint import Checkpoint
 from llmc.errors import ModelLoadError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,13 @@ STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 
 @dataclasses.dataclass
 class LoadedModel:
-    model: Any  # transformers PreTrainedModel (float32, eval)
+    model: Any  # transformers PreTrainedModel (float32, eval); parameters on the meta device when ``checkpoint`` is set
     tokenizer: Any | None  # transformers tokenizer or None
     source: str  # what the user passed
     description: str  # where it came from, for reports
     generation_eos: list[int]
     fingerprint: str  # identifies the weights (paths, sizes, mtimes) for compile caches
+    checkpoint: Checkpoint | None = None  # where the weights are read from, one at a time; None: they are in ``model``
 
 
 @contextlib.contextmanager
@@ -226,27 +228,92 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
         except (ValueError, KeyError) as e:
             raise ModelLoadError(f"cannot read the model config from {source}: {e}") from e
         check_config(config, source)
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                directory, config=config, dtype=torch.float32, attn_implementation="sdpa", **kwargs
-            )
-        except (OSError, ValueError, RuntimeError, KeyError) as e:
-            raise ModelLoadError(f"cannot load the weights of {source}: {e}", hint="check that the weight files are complete and match config.json") from e
+        streamed = _streamed(directory, config) if not kwargs.get("gguf_file") and isinstance(directory, Path) else None
+        if streamed is not None:
+            model, checkpoint = streamed
+        else:
+            checkpoint = None
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    directory, config=config, dtype=torch.float32, attn_implementation="sdpa", **kwargs
+                )
+            except (OSError, ValueError, RuntimeError, KeyError) as e:
+                raise ModelLoadError(f"cannot load the weights of {source}: {e}", hint="check that the weight files are complete and match config.json") from e
         model.eval()
         tokenizer = None
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
         except Exception as e:  # a model without tokenizer files is still compilable
             log.warning("no tokenizer found for %s (%s); the bundle will accept token ids only", source, e)
-    if cached is not None and kwargs.get("gguf_file"):
-        _save_dequantized(model, tokenizer, cached)
+    if cached is not None and kwargs.get("gguf_file") and _save_dequantized(model, tokenizer, cached):
+        # from here on read the weights from the cached copy, as for any checkpoint directory
+        with _offline():
+            streamed = _streamed(cached, transformers.AutoConfig.from_pretrained(cached, local_files_only=True))
+        if streamed is not None:
+            model = streamed[0].eval()
+            checkpoint = streamed[1]
+            _return_freed_heap()
     eos = _eos_ids(model, tokenizer)
-    log.info("loaded %s: %s, %d layers", description, type(model).__name__, model.config.num_hidden_layers)
-    return LoadedModel(model, tokenizer, source, description, eos, fingerprint)
+    log.info("loaded %s: %s, %d layers%s", description, type(model).__name__, model.config.num_hidden_layers,
+             f", weights read on demand from {checkpoint.directory}" if checkpoint is not None else "")
+    return LoadedModel(model, tokenizer, source, description, eos, fingerprint, checkpoint)
 
 
-def _save_dequantized(model: Any, tokenizer: Any, path: Path) -> None:
-    """Write the dequantized model next to the calibration cache, atomically."""
+def _return_freed_heap() -> None:
+    """Hand the heap pages of the dropped in-memory model back to the OS.
+
+    glibc keeps freed small-block heap memory mapped (SmolLM2's dequantized
+    GGUF: 430 of 570 MB stayed resident after the model was gone).
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _streamed(directory: Path, config: Any) -> tuple[Any, Checkpoint] | None:
+    """``config``'s model with its parameters on the meta device, and the checkpoint that holds them.
+
+    None when the safetensors files do not hold every parameter under its
+    module name in a dtype :class:`Checkpoint` reads (renamed or quantized
+    checkpoints): the caller then loads the model the usual way.
+    """
+    import torch
+    import transformers
+    from accelerate import init_empty_weights
+
+    if not any(directory.glob("*.safetensors")):
+        return None
+    checkpoint = Checkpoint(directory)
+    with init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) are computed as usual
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model.tie_weights()  # tied parameters become one object (from_pretrained does this), stored once in the files
+    tied: dict[int, list[tuple[str, Any]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append((name, p))
+    aliases: dict[str, str] = {}
+    for group in tied.values():
+        stored = next((checkpoint.resolve(n) for n, _ in group if checkpoint.resolve(n)), None)
+        shape = tuple(group[0][1].shape)
+        if stored is None or checkpoint.missing([stored]) or checkpoint.shape(stored) != shape:
+            log.info("%s: parameter %s is not stored under its name as a float tensor of shape %s; loading the whole model",
+                     directory, group[0][0], list(shape))
+            return None
+        aliases.update((n, stored) for n, _ in group)
+    checkpoint.aliases = aliases
+    try:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(directory, local_files_only=True)
+    except OSError:  # no generation_config.json: the one from_config derived from the config stays
+        pass
+    return model.eval(), checkpoint
+
+
+def _save_dequantized(model: Any, tokenizer: Any, path: Path) -> bool:
+    """Write the dequantized model next to the calibration cache, atomically; False if it could not be written."""
     import shutil
     import tempfile
 
@@ -269,6 +336,8 @@ def _save_dequantized(model: Any, tokenizer: Any, path: Path) -> None:
     except Exception as e:  # a cache that cannot be written only costs time
         log.warning("could not cache the dequantized model in %s: %s", path, e)
         shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    return True
 
 
 def _fingerprint(directory: Any, gguf_file: str | None) -> str:

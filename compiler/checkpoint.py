@@ -1,0 +1,120 @@
+"""Tensors of a HuggingFace checkpoint, read one at a time from its safetensors files.
+
+The compiler traces a model whose parameters have no storage (PyTorch's meta
+device) and reads each weight from the checkpoint only when a pass or the
+backend asks for it. Files are memory-mapped: a float32 tensor is a view of the
+file's pages (nothing copied, and the kernel can drop the pages again), a
+bfloat16 or float16 tensor is widened to float32 on each read. So the host
+memory a compile needs does not grow with the model's weights, which is what
+lets a machine compile a model larger than its RAM in float32.
+
+The safetensors format (https://github.com/huggingface/safetensors): an
+8-byte little-endian header length, a JSON header mapping names to
+``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the
+end of the header), then the data.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from llmc.errors import ModelLoadError
+
+# safetensors dtype -> numpy dtype of the stored bits (bfloat16 is widened by hand)
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+_MAX_HEADER = 100 * 1024 * 1024  # the format's own limit on the JSON header
+
+
+class Checkpoint:
+    """Name -> float32 array for the tensors in ``directory``'s ``*.safetensors`` files.
+
+    ``aliases`` maps the names the compiler asks for (a traced module's parameter
+    names) to the names stored in the files, for tied weights stored once.
+    """
+
+    def __init__(self, directory: str | Path, aliases: Mapping[str, str] | None = None) -> None:
+        self.directory = Path(directory)
+        self.aliases = dict(aliases or {})
+        self._entries: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
+        self._maps: dict[Path, np.memmap] = {}
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{self.directory} has no .safetensors files", hint="save the model with save_pretrained(safe_serialization=True)")
+        for f in files:
+            self._read_header(f)
+
+    def _read_header(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ModelLoadError(f"{path} is not a safetensors file (shorter than its header)", hint="the file is truncated; save the model again")
+            (n,) = struct.unpack("<Q", raw)
+            if n > _MAX_HEADER:
+                raise ModelLoadError(f"{path} is not a safetensors file (header of {n} bytes)", hint="the file is damaged; save the model again")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise ModelLoadError(f"{path} has an unreadable safetensors header: {e}", hint="the file is damaged; save the model again") from None
+        size = path.stat().st_size
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = (8 + n + int(o) for o in e["data_offsets"])
+            shape = tuple(int(d) for d in e["shape"])
+            if end > size or begin > end:
+                raise ModelLoadError(f"{path}: tensor {name} lies past the end of the file", hint="the file is truncated; save the model again")
+            self._entries[name] = (path, e["dtype"], shape, begin, end)
+
+    def resolve(self, name: str) -> str | None:
+        """The stored name of ``name`` (itself or its alias), or None."""
+        for n in (name, self.aliases.get(name)):
+            if n is not None and n in self._entries:
+                return n
+        return None
+
+    def dtype(self, name: str) -> str:
+        return self._entries[self._stored(name)][1]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[self._stored(name)][2]
+
+    def missing(self, names: Iterable[str]) -> list[str]:
+        """Those of ``names`` the files do not hold in a dtype this reader widens to float32."""
+        out = []
+        for n in names:
+            s = self.resolve(n)
+            if s is None or self._entries[s][1] not in _DTYPES:
+                out.append(n)
+        return out
+
+    def _stored(self, name: str) -> str:
+        s = self.resolve(name)
+        if s is None:
+            raise ModelLoadError(f"weight {name} is not in the safetensors files of {self.directory}", hint="check that the checkpoint is complete")
+        return s
+
+    def load(self, name: str) -> np.ndarray:
+        """The tensor ``name`` as a C-contiguous float32 array (a read-only view of the file when stored as float32)."""
+        path, dtype, shape, begin, end = self._entries[self._stored(name)]
+        if dtype not in _DTYPES:
+            raise ModelLoadError(f"weight {name} is stored as {dtype}; llmc reads F32, F16 and BF16 checkpoints")
+        m = self._maps.get(path)
+        if m is None:
+            m = self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+        count = int(np.prod(shape, dtype=np.int64))
+        raw = np.ndarray((count,), dtype=_DTYPES[dtype], buffer=m, offset=begin) if count else np.zeros(0, _DTYPES[dtype])
+        if raw.nbytes != end - begin:
+            raise ModelLoadError(f"weight {name}: {end - begin} bytes in the file for shape {list(shape)} of {dtype}", hint="the file is damaged; save the model again")
+        if dtype == "BF16":
+            out = raw.astype(np.uint32)
+            out <<= 16
+            return out.view(np.float32).reshape(shape)
+        if dtype == "F16":
+            return raw.astype(np.float32).reshape(shape)
+        return raw.reshape(shape)

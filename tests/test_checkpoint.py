@@ -1,0 +1,128 @@
+"""Weights read one at a time from safetensors files, and a compile that never holds the model in memory."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+
+def _save(path, tensors):
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+
+
+def test_reads_f32_as_a_view_and_widens_bf16_f16(tmp_path):
+    import torch
+
+    from llmc.checkpoint import Checkpoint
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 7, generator=g)
+    b = torch.randn(3, 4, generator=g).to(torch.bfloat16)
+    c = torch.randn(6, generator=g).to(torch.float16)
+    _save(tmp_path / "model-00001-of-00002.safetensors", {"a": a, "b": b})
+    _save(tmp_path / "model-00002-of-00002.safetensors", {"c": c})
+    ck = Checkpoint(tmp_path)
+    ra = ck.load("a")
+    assert ra.dtype == np.float32 and ra.shape == (5, 7) and not ra.flags.owndata and not ra.flags.writeable  # the file's pages
+    np.testing.assert_array_equal(ra, a.numpy())
+    np.testing.assert_array_equal(ck.load("b"), b.to(torch.float32).numpy())  # bfloat16 widening is exact
+    np.testing.assert_array_equal(ck.load("c"), c.to(torch.float32).numpy())
+    assert ck.dtype("b") == "BF16" and ck.shape("c") == (6,)
+    ck.aliases = {"lm_head.weight": "a"}
+    assert ck.resolve("lm_head.weight") == "a" and ck.missing(["lm_head.weight", "b", "nope"]) == ["nope"]
+
+
+def test_damaged_files_name_the_file(tmp_path):
+    import torch
+
+    from llmc.checkpoint import Checkpoint
+    from llmc.errors import ModelLoadError
+
+    path = tmp_path / "model.safetensors"
+    _save(path, {"w": torch.ones(64, 64)})
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])  # truncated
+    with pytest.raises(ModelLoadError, match="past the end of the file"):
+        Checkpoint(tmp_path)
+    path.write_bytes(struct.pack("<Q", 10) + b"{not json}")
+    with pytest.raises(ModelLoadError, match="unreadable safetensors header"):
+        Checkpoint(tmp_path)
+    path.unlink()
+    with pytest.raises(ModelLoadError, match="no .safetensors files"):
+        Checkpoint(tmp_path)
+
+
+def test_load_keeps_parameters_on_meta_and_reads_the_files(model_dirs):
+    """A checkpoint directory loads without its weights; tied weights resolve to the one stored tensor."""
+    from llmc import model_source
+
+    for family in ("llama", "llama_tied_mha"):
+        loaded = model_source.load(str(model_dirs(family)))
+        assert loaded.checkpoint is not None
+        assert all(p.is_meta for p in loaded.model.parameters())
+        assert not any(b.is_meta for b in loaded.model.buffers())  # rotary tables are computed, not read
+    head = loaded.checkpoint.load("lm_head.weight")  # tied: stored once, as the embedding
+    np.testing.assert_array_equal(head, loaded.checkpoint.load("model.embed_tokens.weight"))
+
+
+def test_unreadable_dtype_falls_back_to_loading_the_model(model_dirs, tmp_path):
+    """A checkpoint the reader cannot widen (float64 here) is loaded whole by transformers, and still compiles."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from llmc import model_source
+
+    d = tmp_path / "f64"
+    shutil.copytree(model_dirs("llama"), d)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.float64)
+    _save(d / "model.safetensors", tensors)
+    loaded = model_source.load(str(d))
+    assert loaded.checkpoint is None and not any(p.is_meta for p in loaded.model.parameters())
+
+
+def test_streamed_compile_matches_the_loaded_model(model_dirs):
+    """Lifting a meta model and reading weights from the files gives the IR of the fully loaded model, bit for bit."""
+    import torch
+    import transformers as T
+
+    from llmc import model_source
+    from llmc.interpreter import Interpreter
+    from llmc.lift import lift, trace
+
+    ids = [1, 5, 9, 13, 17, 21, 25, 29]
+    for family in ("gemma", "phi3"):  # tied + scaled embedding; fused projections
+        loaded = model_source.load(str(model_dirs(family)))
+        streamed = Interpreter(lift(trace(loaded.model, 8), loaded.model, checkpoint=loaded.checkpoint), cache_weights=False).run(ids)
+        m = T.AutoModelForCausalLM.from_pretrained(model_dirs(family), dtype=torch.float32, attn_implementation="sdpa").eval()
+        whole = Interpreter(lift(trace(m, 8), m)).run(ids)
+        np.testing.assert_array_equal(streamed, whole)
+
+
+def test_interpreter_holds_one_layer_of_values(tmp_path):
+    """Values are dropped after their last reader: the peak does not grow with depth."""
+    import torch
+    import transformers as T
+
+    from llmc.interpreter import Interpreter
+    from llmc.lift import lift, trace
+
+    peaks = []
+    for layers in (2, 6):
+        torch.manual_seed(0)
+        cfg = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=64)
+        m = T.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+        interp = Interpreter(lift(trace(m, 16), m))
+        logits = interp.run(list(range(16)))
+        with torch.no_grad():
+            ref = m(torch.arange(16)[None]).logits[0].numpy()
+        np.testing.assert_allclose(logits, ref, atol=1e-4)
+        peaks.append(interp.peak_live_bytes)
+    assert peaks[0] == peaks[1] > 0
