@@ -41,18 +41,39 @@ def _gelu(x, tanh: bool):
 
 
 class Interpreter:
-    def __init__(self, graph: Graph) -> None:
+    """Runs ``graph`` node by node, holding each value only until its last use.
+
+    So a run holds about one layer's activations (plus the KV cache) however
+    deep the model is; ``peak_live_bytes`` reports the most it held. With
+    ``cache_weights=False`` weights are loaded again for every run and dropped
+    after their node (calibration: weights read from a checkpoint stay in the
+    file's pages instead of piling up in memory).
+    """
+
+    def __init__(self, graph: Graph, cache_weights: bool = True) -> None:
         self.graph = graph
+        self.cache_weights = cache_weights
         self._w: dict[str, np.ndarray] = {}
         self.attn_layers = {n.attrs["layer"]: (n.attrs["num_kv_heads"], n.attrs["head_dim"]) for n in graph.find("Attention")}
+        self.peak_live_bytes = 0
+        # the index of each value's last reader; graph outputs are read at the end
+        self._last_use: dict[str, int] = {}
+        for i, node in enumerate(graph.nodes):
+            for v in node.inputs:
+                self._last_use[v.name] = i
+        for v in graph.outputs:
+            self._last_use[v.name] = len(graph.nodes)
 
     def weight(self, node: Node, slot: str) -> np.ndarray | None:
         ref = node.weights.get(slot)
         if ref is None:
             return None
-        if ref.name not in self._w:
-            self._w[ref.name] = np.ascontiguousarray(self.graph.weights.load(ref.name))
-        return self._w[ref.name]
+        w = self._w.get(ref.name)
+        if w is None:
+            w = np.ascontiguousarray(self.graph.weights.load(ref.name))
+            if self.cache_weights:
+                self._w[ref.name] = w
+        return w
 
     def run(self, ids: Sequence[int], observer: Observer | None = None, select_rows: np.ndarray | None = None,
             stop_at: str | None = None) -> np.ndarray | None:
@@ -68,7 +89,9 @@ class Interpreter:
         for v in self.graph.inputs:
             env[v.name] = ids if v.name.startswith("input_ids") else np.arange(T, dtype=np.int64)
         rows = select_rows if select_rows is not None else np.arange(T)
-        for node in self.graph.nodes:
+        last_use = self._last_use
+        live = sum(a.nbytes for a in env.values())
+        for i, node in enumerate(self.graph.nodes):
             ins = [env[v.name] for v in node.inputs]
             if node.name == stop_at:
                 if observer is not None:
@@ -76,9 +99,16 @@ class Interpreter:
                 return None
             outs = self.eval(node, ins, cache, T, rows)
             for v, o in zip(node.outputs, outs):
-                env[v.name] = o
+                if last_use.get(v.name, -1) > i:  # unread results are dropped at once
+                    env[v.name] = o
+                    live += o.nbytes
+            self.peak_live_bytes = max(self.peak_live_bytes, live)
             if observer is not None:
                 observer(node, ins, outs)
+            del ins, outs
+            for v in node.inputs:
+                if last_use[v.name] == i and v.name in env:
+                    live -= env.pop(v.name).nbytes
         return env[self.graph.outputs[0].name]
 
     def eval(self, n: Node, x: list[np.ndarray], cache, T: int, rows: np.ndarray) -> list[np.ndarray]:

@@ -150,7 +150,7 @@ class Calibrate(Pass):
                 x = inputs[0]
                 stats.setdefault(node.inputs[0].name, _Accumulator(x.shape[1])).add(x)
 
-        interp = Interpreter(graph)
+        interp = Interpreter(graph, cache_weights=False)  # weights stay in the checkpoint's pages, one layer at a time
         sel = graph.find("SelectRows")
         for s in range(0, len(ids), SEQ_LEN):
             part = ids[s : s + SEQ_LEN]
