@@ -66,7 +66,7 @@ def write_weights(graph: Graph, names: Iterable[str], root: Path) -> dict[str, d
             pad = (-offset) % ALIGN
             f.write(b"\0" * pad)
             offset += pad
-            f.write(arr.tobytes())
+            f.write(arr.data if arr.size else b"")  # the array's own buffer: no copy of a large weight
             table[name] = {"file": WEIGHTS_FILE, "offset": offset, "nbytes": arr.nbytes, "dtype": ref.dtype, "shape": list(ref.shape)}
             offset += arr.nbytes
     return table

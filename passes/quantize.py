@@ -45,10 +45,25 @@ def quantize_weight(w: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.nd
     path does not. The QNN backend turns them back into int8.
     """
     w = np.asarray(w, np.float32)
-    amax = np.abs(w).max(axis=1) if per_channel else np.array([np.abs(w).max()], np.float32)
+    out_f, in_f = w.shape
+    step = max(1, _BLOCK_ELEMENTS // max(in_f, 1))  # rows per block: temporaries stay a few MB for any matrix
+    blocks = range(0, out_f, step)
+    if per_channel:
+        amax = np.concatenate([np.abs(w[i : i + step]).max(axis=1) for i in blocks]) if out_f else np.zeros(0, np.float32)
+    else:
+        amax = np.array([max((float(np.abs(w[i : i + step]).max()) for i in blocks), default=0.0)], np.float32)
     scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / (scale[:, None] if per_channel else scale)), -127, 127)
-    return np.ascontiguousarray((q + W_ZERO_POINT).astype(np.uint8).T), scale
+    q = np.empty((in_f, out_f), np.uint8)
+    for i in blocks:
+        b = w[i : i + step] / (scale[i : i + step, None] if per_channel else scale)
+        np.rint(b, out=b)
+        np.clip(b, -127, 127, out=b)
+        b += W_ZERO_POINT
+        q[:, i : i + step] = b.T
+    return q, scale
+
+
+_BLOCK_ELEMENTS = 1 << 20
 
 
 def _derived(store: WeightStore, name: str, shape, dtype, fn):
@@ -112,8 +127,13 @@ class Quantize(Pass):
         splits = [w.shape[0] for _, w in members]
         hot = list(q.hot_channels)
 
-        def full_t(names=tuple(names)):
-            return np.ascontiguousarray(np.concatenate([store.load(n) for n in names], axis=0).T, np.float32)
+        def full_t(names=tuple(names), splits=tuple(splits)):
+            out = np.empty((x.shape[1], sum(splits)), np.float32)  # written in place: no concatenated copy
+            col = 0
+            for n, k in zip(names, splits):
+                out[:, col : col + k] = store.load(n).T
+                col += k
+            return out
 
         def hot_rows(names=tuple(names), hot=tuple(hot)):
             if not hot:

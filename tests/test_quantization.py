@@ -194,6 +194,25 @@ def test_quantize_weight_roundtrip():
     assert s.shape == (1,)
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_quantize_weight_in_blocks_matches_whole_matrix(per_channel, monkeypatch):
+    """Blocks of rows (bounded temporaries) give exactly the whole-matrix formula's values."""
+    from llmc.passes import quantize
+
+    monkeypatch.setattr(quantize, "_BLOCK_ELEMENTS", 64)  # 7-row blocks of a 9-column matrix
+    rng = np.random.default_rng(2)
+    w = (rng.standard_normal((50, 9)) * 3).astype(np.float32)
+    w[3] = 0.0  # an all-zero row keeps scale 1 per channel
+    w[40, 2] = 25.0  # the per-tensor maximum sits in a late block
+    q, s = quantize.quantize_weight(w, per_channel)
+    amax = np.abs(w).max(axis=1) if per_channel else np.array([np.abs(w).max()], np.float32)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    want = (np.clip(np.rint(w / (scale[:, None] if per_channel else scale)), -127, 127) + 128).astype(np.uint8).T
+    np.testing.assert_array_equal(s, scale)
+    np.testing.assert_array_equal(q, want)
+    assert q.flags.c_contiguous
+
+
 @pytest.fixture(scope="module")
 def npu_bundles(tmp_path_factory, model_dirs, calib_file):
     from llmc.compile import compile_model
