@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from llmc.checkpoint import Checkpoint
+from llmc.checkpoint import Checkpoint, CheckpointWriter
 from llmc.errors import ModelLoadError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -216,6 +216,8 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
         log.info("using the dequantized copy of %s in %s", description, cached)
         directory, kwargs = cached, {"local_files_only": True}
     with _offline(), _gguf_parsed_once():
+        if cached is not None and kwargs.get("gguf_file") and _convert_gguf(directory, kwargs["gguf_file"], cached, source):
+            directory, kwargs = cached, {"local_files_only": True}  # read like any checkpoint directory from here on
         try:
             config = transformers.AutoConfig.from_pretrained(directory, **kwargs)
         except OSError as e:
@@ -259,6 +261,78 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
     return LoadedModel(model, tokenizer, source, description, eos, fingerprint, checkpoint)
 
 
+def _convert_gguf(directory: Path, gguf_file: str, dest: Path, source: str) -> bool:
+    """Dequantize a GGUF file into ``dest`` as a float32 safetensors checkpoint, one tensor at a time.
+
+    transformers' own GGUF load dequantizes every tensor into memory first (the
+    whole float32 model, 4x a 7B model's Q4 file); this writes each tensor to
+    the file as soon as it is dequantized, using transformers' name mapping and
+    tensor processors (e.g. Llama's q/k row order), so memory holds one tensor.
+    Returns False (after logging why) when the model cannot be converted this
+    way; the caller then loads it the usual way.
+    """
+    import shutil
+    import tempfile
+
+    import gguf
+    import torch
+    import transformers
+    from accelerate import init_empty_weights
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    path = directory / gguf_file
+    tmp: Path | None = None
+    done = False
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)
+        check_config(config, source)
+        parsed = hf_gguf.load_gguf_checkpoint(path, return_tensors=False)
+        reader = gguf.GGUFReader(path)
+        # transformers picks the processor by the file's architecture (a Mistral GGUF says "llama")
+        architecture = hf_gguf.read_field(reader, "general.architecture")[0]
+        processor = hf_gguf.TENSOR_PROCESSORS.get(architecture, hf_gguf.TensorProcessor)(config=parsed["config"])
+        with init_empty_weights():
+            meta = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        meta.tie_weights()
+        hf_names = hf_gguf.get_gguf_hf_weights_map(meta, processor)
+        shapes = {n: tuple(t.shape) for n, t in meta.state_dict().items()}
+        tensors = [(t, hf_names[t.name]) for t in reader.tensors if t.name in hf_names and hf_names[t.name] in shapes]
+        written = {name for _, name in tensors}
+        tied: dict[int, list[str]] = {}
+        for name, p in meta.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(name)
+        unmapped = [names[0] for names in tied.values() if not written.intersection(names)]
+        if unmapped:  # transformers would leave these randomly initialised; let its own load report it
+            raise ValueError(f"{len(unmapped)} parameters have no tensor in the file, e.g. {unmapped[:3]}")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+        with CheckpointWriter(tmp / "model.safetensors", {name: shapes[name] for name in written}) as writer:
+            for t, name in tensors:
+                result = processor.process(weights=gguf.dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=hf_names,
+                                           parsed_parameters=parsed)
+                if result.name != t.name:
+                    raise ValueError(f"tensor {t.name} is renamed by transformers' GGUF processor")
+                writer.add(name, result.weights.reshape(shapes[name]))
+        saved = config.to_dict()
+        saved.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(saved, indent=1, sort_keys=True))
+        tokenizer.save_pretrained(tmp)
+        transformers.GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        tmp.replace(dest)
+        done = True
+        log.info("dequantized %s into %s, one tensor at a time (%d tensors)", path, dest, len(tensors))
+        return True
+    except (UnsupportedModelError, ModelLoadError):
+        raise
+    except Exception as e:  # anything this path does not cover: transformers' whole-model load still may
+        log.warning("could not dequantize %s tensor by tensor (%s: %s); loading the whole model into memory instead", path, type(e).__name__, e)
+        return False
+    finally:  # also on Ctrl-C: no partial float32 copy is left in the cache
+        if tmp is not None and not done:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _return_freed_heap() -> None:
     """Hand the heap pages of the dropped in-memory model back to the OS.
 
@@ -287,7 +361,7 @@ def _streamed(directory: Path, config: Any) -> tuple[Any, Checkpoint] | None:
     from accelerate import init_empty_weights
 
     if not any(directory.glob("*.safetensors")):
-        return None
+        return None  # e.g. PyTorch .bin checkpoints: transformers loads them
     checkpoint = Checkpoint(directory)
     with init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) are computed as usual
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
@@ -300,10 +374,15 @@ def _streamed(directory: Path, config: Any) -> tuple[Any, Checkpoint] | None:
         stored = next((checkpoint.resolve(n) for n, _ in group if checkpoint.resolve(n)), None)
         shape = tuple(group[0][1].shape)
         if stored is None or checkpoint.missing([stored]) or checkpoint.shape(stored) != shape:
-            log.info("%s: parameter %s is not stored under its name as a float tensor of shape %s; loading the whole model",
+            log.warning("%s: parameter %s is not stored under its name as a float tensor of shape %s; loading the whole model",
                      directory, group[0][0], list(shape))
             return None
         aliases.update((n, stored) for n, _ in group)
+    params = set(aliases)
+    stored_buffers = [n for n in model.state_dict() if n not in params and checkpoint.resolve(n)]
+    if stored_buffers:  # from_pretrained would load these; the model built here keeps its computed values
+        log.warning("%s stores buffers %s; loading the whole model", directory, stored_buffers[:3])
+        return None
     checkpoint.aliases = aliases
     try:
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory, local_files_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -25,6 +26,9 @@ def test_reads_f32_as_a_view_and_widens_bf16_f16(tmp_path):
     c = torch.randn(6, generator=g).to(torch.float16)
     _save(tmp_path / "model-00001-of-00002.safetensors", {"a": a, "b": b})
     _save(tmp_path / "model-00002-of-00002.safetensors", {"c": c})
+    _save(tmp_path / "consolidated.safetensors", {"a": torch.zeros(1)})  # another layout of the weights, not in the index
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}}))
     ck = Checkpoint(tmp_path)
     ra = ck.load("a")
     assert ra.dtype == np.float32 and ra.shape == (5, 7) and not ra.flags.owndata and not ra.flags.writeable  # the file's pages
@@ -47,6 +51,14 @@ def test_damaged_files_name_the_file(tmp_path):
     data = path.read_bytes()
     path.write_bytes(data[:-100])  # truncated
     with pytest.raises(ModelLoadError, match="past the end of the file"):
+        Checkpoint(tmp_path)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [64, 65], "data_offsets": [0, 64 * 64 * 4]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data[-64 * 64 * 4:])  # the shape claims more than the bytes
+    with pytest.raises(ModelLoadError, match="has 16384 bytes for shape"):
+        Checkpoint(tmp_path)
+    header = json.dumps({"w": {"dtype": "F32", "data_offsets": [0, 4]}}).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(ModelLoadError, match="header entry of tensor w is malformed"):
         Checkpoint(tmp_path)
     path.write_bytes(struct.pack("<Q", 10) + b"{not json}")
     with pytest.raises(ModelLoadError, match="unreadable safetensors header"):
@@ -126,3 +138,28 @@ def test_interpreter_holds_one_layer_of_values(tmp_path):
         np.testing.assert_allclose(logits, ref, atol=1e-4)
         peaks.append(interp.peak_live_bytes)
     assert peaks[0] == peaks[1] > 0
+
+
+def test_writer_streams_tensors_into_a_standard_safetensors_file(tmp_path):
+    from safetensors.numpy import load_file
+
+    from llmc.checkpoint import Checkpoint, CheckpointWriter
+
+    rng = np.random.default_rng(0)
+    tensors = {"b.weight": rng.standard_normal((3, 5)).astype(np.float32), "a.bias": rng.standard_normal(7).astype(np.float32),
+               "empty": np.zeros((0, 4), np.float32), "scalar": np.array(2.5, np.float32)}
+    w = CheckpointWriter(tmp_path / "model.safetensors", {n: t.shape for n, t in tensors.items()})
+    with pytest.raises(ValueError, match="shape"):
+        w.add("a.bias", np.zeros(6, np.float32))
+    for n, t in tensors.items():
+        w.add(n, t)
+    w.close()
+    theirs = load_file(str(tmp_path / "model.safetensors"))  # the reference reader accepts the padded header
+    ours = Checkpoint(tmp_path)
+    for n, t in tensors.items():
+        np.testing.assert_array_equal(theirs[n], t)
+        np.testing.assert_array_equal(ours.load(n), t)
+    w = CheckpointWriter(tmp_path / "partial.safetensors", {"x": (2,), "y": (3,)})
+    w.add("x", np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="not written"):
+        w.close()

@@ -5,6 +5,8 @@ dequantized weights, including a prompt longer than one chunk."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -134,3 +136,29 @@ def test_gguf_parsed_once_within_a_load():
     finally:
         hf_gguf.load_gguf_checkpoint = real
     assert hf_gguf.load_gguf_checkpoint is before[1]
+
+
+def test_gguf_dequantized_tensor_by_tensor_equals_transformers_load(smol, smol_bundles):
+    """The compile cache's checkpoint, written one tensor at a time, holds exactly the weights transformers loads whole."""
+    from llmc.checkpoint import Checkpoint
+
+    _, model, _ = smol
+    (cached,) = list((smol_bundles["cache"] / "gguf").iterdir())
+    ck = Checkpoint(cached, aliases={"lm_head.weight": "model.embed_tokens.weight"})  # SmolLM2 ties them
+    state = model.state_dict()
+    assert set(state) <= set(ck.names()) | {"lm_head.weight"}
+    for name, t in state.items():
+        np.testing.assert_array_equal(ck.load(name), t.numpy(), err_msg=name)
+    assert json.loads((cached / "config.json").read_text())["num_hidden_layers"] == model.config.num_hidden_layers
+
+
+def test_interrupted_gguf_conversion_leaves_no_partial_cache(tmp_path, monkeypatch):
+    from llmc import checkpoint, model_source
+
+    def interrupted(self, name, array):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.CheckpointWriter, "add", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model_source.load("smollm2-135m", cache_dir=tmp_path)
+    assert list((tmp_path / "gguf").iterdir()) == []
