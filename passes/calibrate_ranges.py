@@ -47,7 +47,7 @@ class CalibrateRanges(Pass):
                     hi[v.name] = max(hi.get(v.name, 0.0), float(o.max()))
 
         sel = graph.find("SelectRows")
-        interp = Interpreter(graph)
+        interp = Interpreter(graph, cache_weights=False)  # int8 and shadow weights are derived per load: keep none
         interp.run(ids, observer=observe, select_rows=np.arange(len(ids)) if sel else None)
         # Some values have a bound that holds for every token, not just the tokens the
         # calibration text happened to use: the embedding table's range, and for
