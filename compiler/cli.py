@@ -131,8 +131,17 @@ def compile(model, out, target, soc, qnn_shard_mb, mlir_dialect, repro_dir, chun
         click.echo(summary.qnn, err=True)
     click.echo(
         f"wrote {summary.bundle}: {summary.graphs} static subgraphs ({summary.graph_files} ONNX files), "
-        f"{summary.weight_bytes / 1e6:.1f} MB of weights, pipeline {summary.pipeline}, {time.perf_counter() - t0:.1f}s"
+        f"{summary.weight_bytes / 1e6:.1f} MB of weights, pipeline {summary.pipeline}, {time.perf_counter() - t0:.1f}s, "
+        f"peak RSS {_peak_rss_mb():.0f} MB"
     )
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1e6 if sys.platform == "darwin" else peak * 1024 / 1e6
 
 
 @cli.command()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ def test_compile_run_inspect(model_dirs, tmp_path):
                "--time-passes", "--dump-ir", tmp_path / "ir")
     assert r.exit_code == 0, r.output
     assert "wrote" in r.output and "] emit" in r.output and "chunk_static_graphs" in r.output
+    assert re.search(r"peak RSS [1-9]\d* MB", r.output)
     assert (tmp_path / "ir" / "03-chunk_static_graphs.ir").is_file()
 
     r = invoke("run", out, "--prompt", "the quick brown fox", "--max-new-tokens", 5, "--no-eos", "--json")
