@@ -8,9 +8,11 @@ shared-buffer mode), so no cache bytes are copied per step.
 
 The runtime may not depend on the ``onnx`` package, so the one-node model is
 serialised here with a minimal protobuf writer (the fields used are listed in
-:func:`gqa_model`). Rotary embedding stays in numpy (``_rope``, and for one row
-the same arithmetic into bound buffers), as in the numpy kernel, so both paths
-rotate identically; sliding-window attention keeps the numpy kernel.
+:func:`gqa_model`). For chunks, rotary embedding stays in numpy (``_rope``, as in
+the numpy kernel); for one row the node rotates q and k itself from tables of
+every position filled from the program's ``RotaryTable`` (partial rotary keeps
+the numpy arithmetic, into bound buffers); sliding-window attention keeps the
+numpy kernel.
 """
 
 from __future__ import annotations
@@ -70,23 +72,30 @@ def _attr_float(name: str, v: float) -> bytes:
     return _bytes(1, name) + _float(2, v) + _int(20, 1)  # AttributeProto: name, f, type=FLOAT
 
 
-def gqa_model(num_heads: int, num_kv_heads: int, head_dim: int, capacity: int, scale: float) -> bytes:
+def gqa_model(num_heads: int, num_kv_heads: int, head_dim: int, capacity: int, scale: float, rotary: bool = False) -> bytes:
     """A serialised ONNX model with one ``GroupQueryAttention`` node (batch 1).
 
-    Inputs ``q [1, n, H*D]``, ``k``/``v [1, n, KV*D]`` (already rotated), the
-    caches ``past_k``/``past_v [1, KV, capacity, D]``, ``seqlens_k [1]`` (int32,
-    total length - 1) and ``total_len`` (int32 scalar); outputs ``out [1, n, H*D]``
-    and ``present_k``/``present_v`` (bound to the same buffers as the past).
+    Inputs ``q [1, n, H*D]``, ``k``/``v [1, n, KV*D]`` (already rotated unless
+    ``rotary``), the caches ``past_k``/``past_v [1, KV, capacity, D]``,
+    ``seqlens_k [1]`` (int32, total length - 1) and ``total_len`` (int32
+    scalar); outputs ``out [1, n, H*D]`` and ``present_k``/``present_v`` (bound
+    to the same buffers as the past). With ``rotary`` the node rotates q and k
+    itself (rotate-half, all D dims) at the positions after the past, from the
+    inputs ``cos_cache``/``sin_cache [capacity, D/2]``.
     """
     hd, kvd = num_heads * head_dim, num_kv_heads * head_dim
     cache = [1, num_kv_heads, capacity, head_dim]
     inputs = [("q", _FLOAT, [1, "n", hd]), ("k", _FLOAT, [1, "n", kvd]), ("v", _FLOAT, [1, "n", kvd]),
               ("past_k", _FLOAT, cache), ("past_v", _FLOAT, cache), ("seqlens_k", _INT32, [1]), ("total_len", _INT32, [])]
+    if rotary:
+        inputs += [("cos_cache", _FLOAT, [capacity, head_dim // 2]), ("sin_cache", _FLOAT, [capacity, head_dim // 2])]
     outputs = [("out", _FLOAT, [1, "n", hd]), ("present_k", _FLOAT, cache), ("present_v", _FLOAT, cache)]
     node = b"".join(_bytes(1, name) for name, _, _ in inputs) + b"".join(_bytes(2, name) for name, _, _ in outputs)
     node += _bytes(3, "attention") + _bytes(4, "GroupQueryAttention") + _bytes(7, "com.microsoft")
     node += _bytes(5, _attr_int("num_heads", num_heads)) + _bytes(5, _attr_int("kv_num_heads", num_kv_heads))
     node += _bytes(5, _attr_float("scale", scale))
+    if rotary:
+        node += _bytes(5, _attr_int("do_rotary", 1)) + _bytes(5, _attr_int("rotary_interleaved", 0))
     graph = _bytes(1, node) + _bytes(2, "attention")
     graph += b"".join(_bytes(11, _value_info(*i)) for i in inputs) + b"".join(_bytes(12, _value_info(*o)) for o in outputs)
     opsets = _bytes(8, _bytes(1, "") + _int(2, 21)) + _bytes(8, _bytes(1, "com.microsoft") + _int(2, 1))
@@ -110,14 +119,16 @@ class OrtAttention:
         self._caches: dict[int, tuple[Any, Any]] = {}  # layer -> K and V cache OrtValues (they keep the views alive)
         self._bound: dict[int, Any] = {}  # layer -> the chunks' IOBinding
         self._one: dict[int, _OneRow] = {}  # layer -> decode's binding, bound once
+        self._tables: dict[int, _RotaryTables] = {}  # head dim -> decode's cos/sin by position, shared by the layers
 
     @staticmethod
     def supports(attrs: dict[str, Any]) -> bool:
         return not attrs["sliding_window"]
 
-    def prepare(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, **_: Any) -> None:
-        """Create the session for this configuration now rather than on first use."""
+    def prepare(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rotary_dim: int = 0, **_: Any) -> None:
+        """Create the sessions for this configuration (chunks, and one row) now rather than on first use."""
         self._session((num_heads, num_kv_heads, head_dim, float(scale)))
+        self._session((num_heads, num_kv_heads, head_dim, float(scale), _node_rotates(rotary_dim, head_dim)))
 
     def _session(self, key: tuple):
         sess = self._sessions.get(key)
@@ -128,8 +139,15 @@ class OrtAttention:
             so.inter_op_num_threads = 1
             so.log_severity_level = 3
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            sess = self._sessions[key] = ort.InferenceSession(gqa_model(*key[:3], self._cache.capacity, key[3]), so, providers=["CPUExecutionProvider"])
+            sess = self._sessions[key] = ort.InferenceSession(gqa_model(*key[:3], self._cache.capacity, *key[3:]), so,
+                                                              providers=["CPUExecutionProvider"])
         return sess
+
+    def _rotary_tables(self, head_dim: int) -> "_RotaryTables":
+        t = self._tables.get(head_dim)
+        if t is None:
+            t = self._tables[head_dim] = _RotaryTables(self._cache.capacity, head_dim // 2)
+        return t
 
     def _cache_binding(self, sess: Any, layer: int) -> Any:
         """A new IOBinding of ``sess`` with ``layer``'s cache bound as both past and present."""
@@ -153,8 +171,10 @@ class OrtAttention:
         if rows == 1:
             one = self._one.get(layer)
             if one is None:
-                sess = self._session((h, kvh, d, float(scale)))
-                one = self._one[layer] = _OneRow(sess, self._cache_binding(sess, layer), h, kvh, d)
+                # full-width rotary is done by the attention node itself, from tables of every position
+                tables = self._rotary_tables(d) if _node_rotates(rotary_dim, d) else None
+                sess = self._session((h, kvh, d, float(scale), tables is not None))
+                one = self._one[layer] = _OneRow(sess, self._cache_binding(sess, layer), h, kvh, d, tables)
             return one(q, k, v, cos, sin, start, rotary_dim)
         qn, kn = q[:n], k[:n]
         if rotary_dim:
@@ -177,13 +197,42 @@ class OrtAttention:
         return out
 
 
+def _node_rotates(rotary_dim: int, head_dim: int) -> bool:
+    """Whether ONNX Runtime's node can rotate q and k itself: all dims rotated, head size a multiple of 16 (its CPU kernel's rule)."""
+    return rotary_dim == head_dim and head_dim % 16 == 0
+
+
+class _RotaryTables:
+    """``cos``/``sin`` by position (``[capacity, D/2]``), for attention nodes that rotate q and k.
+
+    Rows are written the first time decode reaches their position, from the
+    program's own ``RotaryTable`` result for it (a position's row never
+    changes), so the rotation uses the same numbers as the numpy path
+    (rotate-half tables repeat their first half).
+    """
+
+    def __init__(self, capacity: int, half: int) -> None:
+        self.cos = np.zeros((capacity, half), np.float32)
+        self.sin = np.zeros((capacity, half), np.float32)
+        self._written = np.zeros(capacity, bool)
+
+    def write(self, position: int, cos: np.ndarray, sin: np.ndarray) -> None:
+        if not self._written[position]:  # once per position, not once per layer
+            half = self.cos.shape[1]
+            self.cos[position] = cos[0, :half]
+            self.sin[position] = sin[0, :half]
+            self._written[position] = True
+
+
 class _OneRow:
     """Decode's attention for one layer: its own IOBinding with every input and the output
-    bound once to buffers that are reused, so a call rotates q and k into their buffers,
-    copies v, sets the two lengths and runs; nothing is allocated or bound per token."""
+    bound once to buffers that are reused, so a call rotates q and k into their buffers (or
+    has the node rotate them, with ``tables``), copies v, sets the two lengths and runs;
+    nothing is allocated or bound per token."""
 
-    def __init__(self, sess: Any, binding: Any, h: int, kvh: int, d: int) -> None:
+    def __init__(self, sess: Any, binding: Any, h: int, kvh: int, d: int, tables: _RotaryTables | None = None) -> None:
         self._sess = sess
+        self._tables = tables
         self._h, self._kvh, self._d = h, kvh, d
         self.q = np.zeros((1, 1, h * d), np.float32)
         self.k = np.zeros((1, 1, kvh * d), np.float32)
@@ -193,7 +242,10 @@ class _OneRow:
         self.out = np.zeros((1, h * d), np.float32)
         self._tmp = np.zeros((h, d), np.float32)
         b = self._binding = binding  # the cache is bound already
-        for name, a in (("q", self.q), ("k", self.k), ("v", self.v), ("seqlens_k", self.seqlens), ("total_len", self.total)):
+        inputs = [("q", self.q), ("k", self.k), ("v", self.v), ("seqlens_k", self.seqlens), ("total_len", self.total)]
+        if tables is not None:
+            inputs += [("cos_cache", tables.cos), ("sin_cache", tables.sin)]
+        for name, a in inputs:
             b.bind_input(name, "cpu", 0, a.dtype.type, list(a.shape), a.ctypes.data)
         b.bind_output("out", "cpu", 0, np.float32, [1, 1, h * d], self.out.ctypes.data)
 
@@ -215,7 +267,11 @@ class _OneRow:
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray | None, sin: np.ndarray | None, start: int,
                  rotary_dim: int) -> np.ndarray:
-        if rotary_dim:
+        if self._tables is not None:
+            self._tables.write(start, cos, sin)
+            np.copyto(self.q.reshape(1, -1), q)
+            np.copyto(self.k.reshape(1, -1), k)
+        elif rotary_dim:
             self._rope_into(q, self._h, cos, sin, rotary_dim, self.q)
             self._rope_into(k, self._kvh, cos, sin, rotary_dim, self.k)
         else:

@@ -139,31 +139,42 @@ def test_kernels_attention_matches_reference():
     np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
-def test_ort_attention_matches_numpy_kernel():
-    """The ONNX Runtime GQA path equals the numpy kernel over chunked prefill (with padding) and decode, cache included."""
+@pytest.mark.parametrize("d, rotary_dim", [(8, 8), (16, 16), (16, 8)])
+def test_ort_attention_matches_numpy_kernel(d, rotary_dim):
+    """The ONNX Runtime GQA path equals the numpy kernel over chunked prefill (with padding) and decode, cache included.
+
+    For one row with full rotary on a head size ONNX Runtime's kernel rotates
+    (a multiple of 16) the node rotates q and k itself: equal up to rounding.
+    """
     import onnx
     import onnxruntime as ort
 
     from llmc.runtime import kernels
     from llmc.runtime.ort_attention import OrtAttention, gqa_model
 
-    onnx.checker.check_model(onnx.load_from_string(gqa_model(4, 2, 8, 32, 0.3)))
+    onnx.checker.check_model(onnx.load_from_string(gqa_model(4, 2, d, 32, 0.3)))
+    onnx.checker.check_model(onnx.load_from_string(gqa_model(4, 2, d, 32, 0.3, rotary=True)))
+    node_rotates = d == rotary_dim == 16
     rng = np.random.default_rng(0)
-    h, kvh, d, cap = 4, 2, 8, 32
+    h, kvh, cap = 4, 2, 32
     ref, cache = kernels.KVCache({0: (kvh, d)}, cap), kernels.KVCache({0: (kvh, d)}, cap)
     attn = OrtAttention(ort, cache, threads=2)
-    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim)).astype(np.float32)
     start = 0
-    for rows, n in [(8, 8), (8, 5), (1, 1), (1, 1), (8, 8)]:
+    for rows, n in [(8, 8), (8, 5), (1, 1), (1, 1), (8, 8), (1, 1)]:
         q, k, v = (rng.standard_normal((rows, f)).astype(np.float32) for f in (h * d, kvh * d, kvh * d))
-        cos, sin = kernels.rotary_table(np.arange(start, start + rows), inv_freq, 1.0)
-        kw = dict(layer=0, start=start, n=n, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=0.3, rotary_dim=d, sliding_window=0)
+        cos, sin = kernels.rotary_table(np.arange(start, start + rows), inv_freq, 1.3)
+        kw = dict(layer=0, start=start, n=n, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=0.3, rotary_dim=rotary_dim, sliding_window=0)
         want = kernels.attention(q, k, v, cos, sin, cache=ref, **kw)
         got = attn(q, k, v, cos, sin, **kw)
         np.testing.assert_allclose(got, want, atol=1e-5)
         np.testing.assert_array_equal(got[n:], 0.0)
-        np.testing.assert_array_equal(cache.k[0], ref.k[0])
+        if node_rotates:
+            np.testing.assert_allclose(cache.k[0], ref.k[0], rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(cache.k[0], ref.k[0])
         np.testing.assert_array_equal(cache.v[0], ref.v[0])
         if rows == 1:  # decode: the one-row binding's own output buffer, bound once and reused
             assert got is attn._one[0].out
+            assert (attn._one[0]._tables is not None) == node_rotates
         start += n
