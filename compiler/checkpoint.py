@@ -144,6 +144,8 @@ class Checkpoint:
             m = self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
         count = int(np.prod(shape, dtype=np.int64))  # sizes were checked against the header in _read_header
         raw = np.ndarray((count,), dtype=_DTYPES[dtype], buffer=m, offset=begin) if count else np.zeros(0, _DTYPES[dtype])
+        if begin % raw.itemsize:  # a hand-written file's unaligned tensor: an aligned copy keeps numpy on its fast paths
+            raw = raw.copy()
         if dtype == "BF16":
             out = raw.astype(np.uint32)
             out <<= 16

@@ -203,7 +203,7 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
         elif p.exists():
             raise ModelLoadError(f"{source} is neither a model directory nor a .gguf file", hint="pass a HuggingFace model directory, a .gguf file or 'smollm2-135m'")
         elif source.count("/") == 1 and not source.startswith((".", "/")):
-            directory = source  # hub id: only from the local cache
+            directory = _hub_snapshot(source)  # hub id: only from the local cache
             description = f"hub id {source} (local cache)"
         else:
             raise ModelLoadError(f"model {source!r} not found: no such file or directory, and not a bundled name",
@@ -259,6 +259,16 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
     log.info("loaded %s: %s, %d layers%s", description, type(model).__name__, model.config.num_hidden_layers,
              f", weights read on demand from {checkpoint.directory}" if checkpoint is not None else "")
     return LoadedModel(model, tokenizer, source, description, eos, fingerprint, checkpoint)
+
+
+def _hub_snapshot(repo_id: str) -> Path | str:
+    """The local cache's snapshot directory of ``repo_id`` (then read like any directory), or the id itself if none."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached, or no huggingface_hub: transformers reports it with the id
+        return repo_id
 
 
 def _convert_gguf(directory: Path, gguf_file: str, dest: Path, source: str) -> bool:

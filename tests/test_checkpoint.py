@@ -163,3 +163,25 @@ def test_writer_streams_tensors_into_a_standard_safetensors_file(tmp_path):
     w.add("x", np.ones(2, np.float32))
     with pytest.raises(ValueError, match="not written"):
         w.close()
+
+
+def test_hub_id_from_the_local_cache_is_streamed(model_dirs, tmp_path, monkeypatch):
+    """A hub id found in the local HuggingFace cache is read from its snapshot directory like any checkpoint."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from llmc import model_source
+    from llmc.errors import ModelLoadError
+
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(model_dirs("llama"), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    loaded = model_source.load("acme/tiny-llama")
+    assert loaded.checkpoint is not None and loaded.checkpoint.directory == repo / "snapshots" / commit
+    assert "hub id acme/tiny-llama" in loaded.description
+    with pytest.raises(ModelLoadError, match="not in the local HuggingFace cache"):
+        model_source.load("acme/not-cached")
