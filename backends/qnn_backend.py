@@ -19,7 +19,10 @@ Those graphs are then compiled by ONNX Runtime's QNN execution provider
 (``qnn/ctx/<shard>/<name>.r<rows>_ctx.onnx``) whose graphs share one context
 binary per shard (``ep.share_ep_contexts``): prefill and decode instances of a
 subgraph hold one copy of its weights. Shards split the model by layers so no
-context exceeds ``shard_bytes`` of weights.
+context exceeds ``shard_bytes`` of weights or ``shard_graphs`` graph instances,
+and each shard is prepared in its own process (the EP's preparation memory
+grows faster than linearly with the graphs in one context and is not returned
+between shards).
 
 Deployment loads the context binaries on the device. The x86_64 HTP simulator
 cannot load weight-shared contexts, so on x86_64 the runtime runs the very same
@@ -52,6 +55,9 @@ SOCS = {
     "8elite": ("79", "69"),
 }
 DEFAULT_SHARD_BYTES = 2 << 30  # well under the ~4 GB the HTP can address
+# Graph instances per context: preparing SmolLM2's 276 in one context took 4.7 GB of host memory
+# and 173 s, in contexts of at most 69 1.6 GB and 80 s (docs/qnn.md).
+DEFAULT_SHARD_GRAPHS = 64
 MARGIN = 4.0  # head-room on observed ranges before uint16 saturates (costs 2 of 16 bits)
 
 
@@ -229,8 +235,55 @@ def _session_options(ort, oq, devices, soc: str, weights: dict[str, np.ndarray],
     return so
 
 
+def _prepare_shard(root: str, weights: dict[str, dict[str, Any]], soc: str,
+                   items: list[tuple[str, int, str, str, list[str]]]) -> tuple[str, str] | None:
+    """In a child process: compile one shard's QDQ graphs into EP-context models sharing one binary.
+
+    ``items`` are (subgraph, rows, QDQ model path, context model path, external
+    weight names), relative to ``root``. Returns (message, hint) if the HTP
+    rejects a graph, else None.
+    """
+    ort, oq, devices = register_qnn()
+    arrays = map_weights(root, weights)
+    base = Path(root)
+    for k, (name, rows, qdq_rel, ctx_rel, names) in enumerate(items):
+        extra = {"ep.context_enable": "1", "ep.context_file_path": str(base / ctx_rel), "ep.context_embed_mode": "0",
+                 "ep.share_ep_contexts": "1"}
+        if k == len(items) - 1:
+            extra["ep.stop_share_ep_contexts"] = "1"
+        so = _session_options(ort, oq, devices, soc, arrays, names, extra)
+        try:
+            ort.InferenceSession((base / qdq_rel).read_bytes(), so)
+        except Exception as e:
+            return (f"QNN HTP cannot take subgraph {name} (rows {rows}) for {soc}: {str(e).strip().splitlines()[-1][:600]}",
+                    f"inspect it with: {qdq_rel} in the failed bundle's temp dir; ops the HTP rejects must move to the CPU side")
+    return None
+
+
+def _run_shard_process(root: Path, weights: dict[str, dict[str, Any]], soc: str, si: int, items: list) -> None:
+    """Run :func:`_prepare_shard` for shard ``si`` in a new Python process (``python -m llmc.backends.qnn_backend``)."""
+    import json
+    import subprocess
+    import sys
+
+    job = root / "qnn" / f".shard{si:02d}.json"
+    job.write_text(json.dumps({"root": str(root), "weights": weights, "soc": soc, "items": items}))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "llmc.backends.qnn_backend", str(job)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        result = json.loads(job.read_text()) if proc.returncode == 0 else None
+    finally:
+        job.unlink(missing_ok=True)
+    if result is None:
+        tail = proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else "no message"
+        raise QnnBackendError(f"the process preparing QNN context shard {si} ({len(items)} graphs) failed with exit code {proc.returncode}: {tail}",
+                              hint="if it ran out of memory, rerun with a smaller --qnn-shard-mb (docs/qnn.md)")
+    if result.get("error"):
+        raise QnnBackendError(result["error"], hint=result["hint"])
+
+
 def emit_qnn(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], ranges: ValueRanges, root: Path, soc: str,
-             shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict[str, Any]:
+             shard_bytes: int = DEFAULT_SHARD_BYTES, shard_graphs: int = DEFAULT_SHARD_GRAPHS) -> dict[str, Any]:
     """Write the fully quantized graphs and the context binaries; return the manifest's ``qnn`` section."""
     import onnx
 
@@ -239,49 +292,44 @@ def emit_qnn(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], 
     reason = qnn_available()
     if reason:
         raise QnnBackendError(reason)
-    ort, oq, devices = register_qnn()
+    register_qnn()  # fail here, in this process, if the EP cannot be registered
     (root / "qnn").mkdir(parents=True, exist_ok=True)
-    arrays = map_weights(root, weights)
     graphs: dict[str, dict[str, Any]] = {}
-    models: list[tuple[str, int, Any, list[str], int]] = []
+    models: list[tuple[str, int, list[str], int]] = []
     for sub in plan.subgraphs:
         graphs[sub.name] = {}
         for rows in sub.row_counts:
             b = _Builder(graph, sub, rows, weights, ranges)
-            model = b.build()
             rel = f"qnn/{sub.name}.r{rows}.onnx"
-            (root / rel).write_bytes(model.SerializeToString(deterministic=True))
+            (root / rel).write_bytes(b.build().SerializeToString(deterministic=True))
             graphs[sub.name][str(rows)] = {"qdq": rel, "io_prefix": b.prefix}
-            models.append((sub.name, rows, model, list(b.external), sum(weights[w]["nbytes"] for w in b.external)))
-    # shards: consecutive subgraphs (layer order) until shard_bytes of weights
+            models.append((sub.name, rows, list(b.external), sum(weights[w]["nbytes"] for w in b.external)))
+    # shards: consecutive subgraphs (layer order) until shard_bytes of weights or shard_graphs instances;
+    # the instances of one subgraph stay together (they share its weights)
+    instances: dict[str, int] = {}
+    for m in models:
+        instances[m[0]] = instances.get(m[0], 0) + 1
     shards: list[list[tuple]] = [[]]
     used = 0
     for m in models:
         first_instance = m[1] == max(r for (s, r, *_rest) in models if s == m[0])
-        if shards[-1] and first_instance and used + m[4] > shard_bytes:
+        if shards[-1] and first_instance and (used + m[3] > shard_bytes or len(shards[-1]) + instances[m[0]] > shard_graphs):
             shards.append([])
             used = 0
         shards[-1].append(m)
         if first_instance:
-            used += m[4]
+            used += m[3]
     binaries = []
+    # Each shard is prepared in a fresh process: the QNN EP keeps memory from every graph it has
+    # prepared (SmolLM2 in 10 shards: 1.0 -> 1.9 GB over the shards in one process), so without
+    # this the host memory of the step grows with the model instead of with the shard.
     for si, shard in enumerate(shards):
         ctx_dir = root / "qnn" / "ctx" / f"shard{si:02d}"
         ctx_dir.mkdir(parents=True, exist_ok=True)
-        for k, (name, rows, model, names, _) in enumerate(shard):
-            ctx_rel = f"qnn/ctx/shard{si:02d}/{name}.r{rows}_ctx.onnx"
-            extra = {"ep.context_enable": "1", "ep.context_file_path": str(root / ctx_rel), "ep.context_embed_mode": "0",
-                     "ep.share_ep_contexts": "1"}
-            if k == len(shard) - 1:
-                extra["ep.stop_share_ep_contexts"] = "1"
-            so = _session_options(ort, oq, devices, soc, arrays, names, extra)
-            try:
-                ort.InferenceSession(model.SerializeToString(), so)
-            except Exception as e:
-                raise QnnBackendError(
-                    f"QNN HTP cannot take subgraph {name} (rows {rows}) for {soc}: {str(e).strip().splitlines()[-1][:600]}",
-                    hint=f"inspect it with: qnn/{name}.r{rows}.onnx in the failed bundle's temp dir; ops the HTP rejects must move to the CPU side",
-                ) from None
+        items = [(name, rows, graphs[name][str(rows)]["qdq"], f"qnn/ctx/shard{si:02d}/{name}.r{rows}_ctx.onnx", names)
+                 for name, rows, names, _ in shard]
+        _run_shard_process(root, weights, soc, si, items)
+        for name, rows, _, ctx_rel, _ in items:
             graphs[name][str(rows)]["context"] = ctx_rel
             graphs[name][str(rows)]["shard"] = si
         bins = sorted(p.relative_to(root).as_posix() for p in ctx_dir.glob("*.bin"))
@@ -308,3 +356,13 @@ def emit_qnn(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], 
                         "runs qnn/<graph>.onnx through the QNN EP (prepared for the HTP in-session); on the device it loads the contexts",
         "built_on": platform.machine(),
     }
+
+
+if __name__ == "__main__":  # one shard, for _run_shard_process: the job file in, the result written back into it
+    import json
+    import sys
+
+    _job = Path(sys.argv[1])
+    _spec = json.loads(_job.read_text())
+    _failure = _prepare_shard(_spec["root"], _spec["weights"], _spec["soc"], [tuple(i) for i in _spec["items"]])
+    _job.write_text(json.dumps({"error": _failure[0], "hint": _failure[1]} if _failure else {}))

@@ -71,6 +71,7 @@ def compile_model(
     repro_dir: str | Path | None = None,
     soc: str | None = None,
     qnn_shard_bytes: int | None = None,
+    qnn_shard_graphs: int | None = None,
     **quant_options: Any,
 ) -> CompileSummary:
     """Compile ``source`` into the bundle directory ``out``.
@@ -173,10 +174,11 @@ def compile_model(
                 qnn = {"skipped": qnn_skip}
             else:
                 from llmc.analyses import ValueRanges
-                from llmc.backends.qnn_backend import DEFAULT_SHARD_BYTES, emit_qnn
+                from llmc.backends.qnn_backend import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_GRAPHS, emit_qnn
 
                 notify("qnn")
-                qnn = emit_qnn(graph, plan, weights, ctx.get(ValueRanges), root, soc, qnn_shard_bytes or DEFAULT_SHARD_BYTES)
+                qnn = emit_qnn(graph, plan, weights, ctx.get(ValueRanges), root, soc, qnn_shard_bytes or DEFAULT_SHARD_BYTES,
+                               qnn_shard_graphs or DEFAULT_SHARD_GRAPHS)
         mlir = None
         if target == "mlir":
             from llmc.backends.mlir_backend import emit_mlir

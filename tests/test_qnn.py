@@ -159,3 +159,41 @@ def test_contexts_shard_by_layers(model_dirs, tmp_path, calib_words):
             assert {f"{name}.r{r}" for r in m["graphs"][name]["instances"]} <= set(b["graphs"])
     s = Session(out, provider="qnn")
     assert len(s.generate([5, 6, 7], 3, stop_at_eos=False).token_ids) == 3
+
+
+def test_contexts_shard_by_graph_count(model_dirs, tmp_path, calib_words):
+    """Few weights but many graphs: the graph cap splits the contexts (host memory of their preparation)."""
+    from llmc.compile import compile_model
+    from llmc.runtime import load_manifest
+
+    out = tmp_path / "capped"
+    compile_model(str(model_dirs("llama")), out, target="npu", soc="8gen3", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=256,
+                  calib_file=str(calib_words), qnn_shard_graphs=4)
+    m = load_manifest(out)
+    sizes = [len(b["graphs"]) for b in m["qnn"]["binaries"]]
+    assert len(sizes) > 1 and max(sizes) <= 4
+    assert sum(sizes) == sum(len(g["instances"]) for n, g in m["graphs"].items() if n in m["qnn"]["graphs"])
+
+
+def test_shard_process_reports_rejected_graphs_and_crashes(tmp_path):
+    """Shards are prepared in child processes; a graph the HTP rejects and a child that dies both become named errors."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from llmc.backends.qnn_backend import QnnBackendError, _run_shard_process
+
+    (tmp_path / "qnn" / "ctx" / "shard00").mkdir(parents=True)
+    g = helper.make_graph([helper.make_node("NonZero", ["x"], ["y"])], "nz", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.INT64, [2, "n"])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    onnx.save(model, tmp_path / "qnn" / "nz.r1.onnx")
+    items = [("nz", 1, "qnn/nz.r1.onnx", "qnn/ctx/shard00/nz.r1_ctx.onnx", [])]
+    with pytest.raises(QnnBackendError, match="QNN HTP cannot take subgraph nz \\(rows 1\\) for 8gen3") as e:
+        _run_shard_process(tmp_path, {}, "8gen3", 0, items)
+    assert "qnn/nz.r1.onnx" in e.value.hint
+    lost = {"w": {"file": "weights/weights.bin", "offset": 0, "nbytes": 4, "dtype": "float32", "shape": [1]}}  # no such file
+    with pytest.raises(QnnBackendError, match="shard 0 \\(1 graphs\\) failed with exit code 1: ") as e:
+        _run_shard_process(tmp_path, lost, "8gen3", 0, items)
+    assert "--qnn-shard-mb" in e.value.hint
+    assert not list((tmp_path / "qnn").glob(".shard*.json"))  # job files are removed
