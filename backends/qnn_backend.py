@@ -306,13 +306,12 @@ def emit_qnn(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], 
             models.append((sub.name, rows, list(b.external), sum(weights[w]["nbytes"] for w in b.external)))
     # shards: consecutive subgraphs (layer order) until shard_bytes of weights or shard_graphs instances;
     # the instances of one subgraph stay together (they share its weights)
-    instances: dict[str, int] = {}
-    for m in models:
-        instances[m[0]] = instances.get(m[0], 0) + 1
+    instances = {sub.name: len(sub.row_counts) for sub in plan.subgraphs}
+    largest = {sub.name: max(sub.row_counts) for sub in plan.subgraphs}
     shards: list[list[tuple]] = [[]]
     used = 0
     for m in models:
-        first_instance = m[1] == max(r for (s, r, *_rest) in models if s == m[0])
+        first_instance = m[1] == largest[m[0]]
         if shards[-1] and first_instance and (used + m[3] > shard_bytes or len(shards[-1]) + instances[m[0]] > shard_graphs):
             shards.append([])
             used = 0

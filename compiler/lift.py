@@ -27,6 +27,7 @@ Anything else is an error naming the aten op and the module it sits in.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -177,8 +178,7 @@ class _Lifter:
         self._weight_keys[key] = name
         torch = self.torch
         if t.is_meta and self.checkpoint is not None:  # read from the checkpoint when a pass or the backend asks
-            def load(name=name, checkpoint=self.checkpoint):
-                return checkpoint.load(name)
+            load = functools.partial(self.checkpoint.load, name)
         else:
             def load(t=t):
                 return t.detach().to(torch.float32).contiguous().numpy()

@@ -252,8 +252,7 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
         with _offline():
             streamed = _streamed(cached, transformers.AutoConfig.from_pretrained(cached, local_files_only=True))
         if streamed is not None:
-            model = streamed[0].eval()
-            checkpoint = streamed[1]
+            model, checkpoint = streamed
             _return_freed_heap()
     eos = _eos_ids(model, tokenizer)
     log.info("loaded %s: %s, %d layers%s", description, type(model).__name__, model.config.num_hidden_layers,
@@ -285,9 +284,7 @@ def _convert_gguf(directory: Path, gguf_file: str, dest: Path, source: str) -> b
     import tempfile
 
     import gguf
-    import torch
     import transformers
-    from accelerate import init_empty_weights
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     path = directory / gguf_file
@@ -301,17 +298,12 @@ def _convert_gguf(directory: Path, gguf_file: str, dest: Path, source: str) -> b
         # transformers picks the processor by the file's architecture (a Mistral GGUF says "llama")
         architecture = hf_gguf.read_field(reader, "general.architecture")[0]
         processor = hf_gguf.TENSOR_PROCESSORS.get(architecture, hf_gguf.TensorProcessor)(config=parsed["config"])
-        with init_empty_weights():
-            meta = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        meta.tie_weights()
+        meta = _empty_model(config)
         hf_names = hf_gguf.get_gguf_hf_weights_map(meta, processor)
         shapes = {n: tuple(t.shape) for n, t in meta.state_dict().items()}
         tensors = [(t, hf_names[t.name]) for t in reader.tensors if t.name in hf_names and hf_names[t.name] in shapes]
         written = {name for _, name in tensors}
-        tied: dict[int, list[str]] = {}
-        for name, p in meta.named_parameters(remove_duplicate=False):
-            tied.setdefault(id(p), []).append(name)
-        unmapped = [names[0] for names in tied.values() if not written.intersection(names)]
+        unmapped = [names[0] for names, _ in _tied_groups(meta) if not written.intersection(names)]
         if unmapped:  # transformers would leave these randomly initialised; let its own load report it
             raise ValueError(f"{len(unmapped)} parameters have no tensor in the file, e.g. {unmapped[:3]}")
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)
@@ -359,37 +351,49 @@ def _return_freed_heap() -> None:
         pass
 
 
+def _empty_model(config: Any) -> Any:
+    """``config``'s model with its parameters on the meta device (buffers such as rotary tables
+    computed as usual) and tied parameters made one object, as ``from_pretrained`` ties them."""
+    import torch
+    import transformers
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model.tie_weights()
+    return model.eval()
+
+
+def _tied_groups(model: Any) -> list[tuple[list[str], tuple[int, ...]]]:
+    """Each parameter once: the names it has (tied weights have several, the first is its own) and its shape."""
+    groups: dict[int, tuple[list[str], tuple[int, ...]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), ([], tuple(p.shape)))[0].append(name)
+    return list(groups.values())
+
+
 def _streamed(directory: Path, config: Any) -> tuple[Any, Checkpoint] | None:
     """``config``'s model with its parameters on the meta device, and the checkpoint that holds them.
 
     None when the safetensors files do not hold every parameter under its
     module name in a dtype :class:`Checkpoint` reads (renamed or quantized
-    checkpoints): the caller then loads the model the usual way.
+    checkpoints), or hold buffers: the caller then loads the model the usual way.
     """
-    import torch
     import transformers
-    from accelerate import init_empty_weights
 
     if not any(directory.glob("*.safetensors")):
         return None  # e.g. PyTorch .bin checkpoints: transformers loads them
     checkpoint = Checkpoint(directory)
-    with init_empty_weights():  # parameters on meta; buffers (rotary inv_freq) are computed as usual
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    model.tie_weights()  # tied parameters become one object (from_pretrained does this), stored once in the files
-    tied: dict[int, list[tuple[str, Any]]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        tied.setdefault(id(p), []).append((name, p))
+    model = _empty_model(config)
     aliases: dict[str, str] = {}
-    for group in tied.values():
-        stored = next((checkpoint.resolve(n) for n, _ in group if checkpoint.resolve(n)), None)
-        shape = tuple(group[0][1].shape)
+    for names, shape in _tied_groups(model):
+        stored = next(filter(None, map(checkpoint.resolve, names)), None)  # tied weights are stored under one of their names
         if stored is None or checkpoint.missing([stored]) or checkpoint.shape(stored) != shape:
             log.warning("%s: parameter %s is not stored under its name as a float tensor of shape %s; loading the whole model",
-                     directory, group[0][0], list(shape))
+                        directory, names[0], list(shape))
             return None
-        aliases.update((n, stored) for n, _ in group)
-    params = set(aliases)
-    stored_buffers = [n for n in model.state_dict() if n not in params and checkpoint.resolve(n)]
+        aliases.update((n, stored) for n in names)
+    stored_buffers = [n for n in model.state_dict() if n not in aliases and checkpoint.resolve(n)]
     if stored_buffers:  # from_pretrained would load these; the model built here keeps its computed values
         log.warning("%s stores buffers %s; loading the whole model", directory, stored_buffers[:3])
         return None
@@ -398,7 +402,7 @@ def _streamed(directory: Path, config: Any) -> tuple[Any, Checkpoint] | None:
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory, local_files_only=True)
     except OSError:  # no generation_config.json: the one from_config derived from the config stays
         pass
-    return model.eval(), checkpoint
+    return model, checkpoint
 
 
 def _save_dequantized(model: Any, tokenizer: Any, path: Path) -> bool:

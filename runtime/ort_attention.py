@@ -126,11 +126,13 @@ class OrtAttention:
         return not attrs["sliding_window"]
 
     def prepare(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rotary_dim: int = 0, **_: Any) -> None:
-        """Create the sessions for this configuration (chunks, and one row) now rather than on first use."""
-        self._session((num_heads, num_kv_heads, head_dim, float(scale)))
-        self._session((num_heads, num_kv_heads, head_dim, float(scale), _node_rotates(rotary_dim, head_dim)))
+        """Create the sessions for this configuration (chunks, and one row if its node rotates) now rather than on first use."""
+        self._session((num_heads, num_kv_heads, head_dim, float(scale), False))
+        if _node_rotates(rotary_dim, head_dim):
+            self._session((num_heads, num_kv_heads, head_dim, float(scale), True))
 
     def _session(self, key: tuple):
+        """The session of ``(heads, kv heads, head dim, scale, node rotates)``."""
         sess = self._sessions.get(key)
         if sess is None:
             ort = self._ort
@@ -180,7 +182,7 @@ class OrtAttention:
         if rotary_dim:
             qn = kernels._rope(qn.reshape(n, h, d), cos[:n], sin[:n], rotary_dim).reshape(n, h * d)
             kn = kernels._rope(kn.reshape(n, kvh, d), cos[:n], sin[:n], rotary_dim).reshape(n, kvh * d)
-        sess = self._session((h, kvh, d, float(scale)))
+        sess = self._session((h, kvh, d, float(scale), False))
         b = self._bound.get(layer)
         if b is None:  # the caches stay bound as past and present across calls
             b = self._bound[layer] = self._cache_binding(sess, layer)
