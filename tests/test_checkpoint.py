@@ -185,3 +185,16 @@ def test_hub_id_from_the_local_cache_is_streamed(model_dirs, tmp_path, monkeypat
     assert "hub id acme/tiny-llama" in loaded.description
     with pytest.raises(ModelLoadError, match="not in the local HuggingFace cache"):
         model_source.load("acme/not-cached")
+
+
+def test_unaligned_tensor_reads_as_an_aligned_copy(tmp_path):
+    """A hand-written file whose float32 data starts off a 4-byte boundary still reads right, into aligned memory."""
+    from llmc.checkpoint import Checkpoint
+
+    values = np.arange(6, dtype=np.float32)
+    header = json.dumps({"u": {"dtype": "F32", "shape": [2, 3], "data_offsets": [2, 26]}}).encode()
+    header += b" " * (-len(header) % 8)  # the data area starts 8-aligned, so the tensor starts 2 bytes off
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0" + values.tobytes())
+    got = Checkpoint(tmp_path).load("u")
+    assert got.flags.aligned and got.flags.c_contiguous
+    np.testing.assert_array_equal(got, values.reshape(2, 3))
