@@ -7,10 +7,16 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as llmc.runtime does; see runtime/__init__.py
-# Tests never see a host profile measured on the developer's machine: compiles plan for 8gen3.
+# Tests never see a host profile measured on the developer's machine (compiles plan for 8gen3), and
+# never write to the user's ~/.cache/llmc; both directories are removed when the session ends.
+import atexit as _atexit
+import shutil as _shutil
 import tempfile as _tempfile
 
-os.environ["LLMC_PROFILE_DIR"] = _tempfile.mkdtemp(prefix="llmc-test-profiles-")
+_SCRATCH = _tempfile.mkdtemp(prefix="llmc-tests-")
+_atexit.register(_shutil.rmtree, _SCRATCH, True)
+os.environ["LLMC_PROFILE_DIR"] = os.path.join(_SCRATCH, "profiles")
+os.environ["LLMC_CACHE_DIR"] = os.path.join(_SCRATCH, "cache")
 
 import importlib.util
 from pathlib import Path
