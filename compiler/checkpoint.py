@@ -102,6 +102,13 @@ class Checkpoint:
                                      hint="the file is damaged; save the model again")
             self._entries[name] = (path, dtype, shape, begin, end)
 
+    def map_files(self) -> None:
+        """Memory-map every file now: the tensors stay readable after the files are unlinked
+        (``--no-cache`` deletes its temporary float32 copy of a GGUF once it is mapped)."""
+        for path, *_ in self._entries.values():
+            if path not in self._maps:
+                self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+
     def names(self) -> list[str]:
         """The stored tensor names, in file order."""
         return list(self._entries)

@@ -89,7 +89,7 @@ def cli(verbose: int) -> None:
               help="Keep at most this many bytes of weights resident (e.g. 300MB, 1.5GB, 50% of the weight bytes); the rest streams from the bundle.")
 @click.option("--prefetch-depth", type=click.IntRange(0), default=2, show_default=True, help="[--memory-budget] Steps of streamed weights read ahead.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Cache for calibration results and dequantized GGUF models (default: $LLMC_CACHE_DIR or ~/.cache/llmc).")
-@click.option("--no-cache", is_flag=True, help="Do not read or write the cache.")
+@click.option("--no-cache", is_flag=True, help="Do not read or write the cache (a GGUF is then dequantized into a temporary directory under $TMPDIR, deleted once loaded).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @_guard
 def compile(model, out, target, soc, qnn_shard_mb, qnn_shard_graphs, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,

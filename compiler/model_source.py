@@ -19,6 +19,8 @@ import json
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -171,13 +173,16 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
     With ``cache_dir``, a GGUF source is dequantized once and kept there as a
     HuggingFace directory (safetensors, config, tokenizer), keyed by the GGUF
     file's path, size and mtime: later compiles skip the slow GGUF parsing.
+    Without it the copy goes to a temporary directory (under ``$TMPDIR``) that
+    is deleted before this returns; its memory-mapped file stays readable until
+    the model is dropped. Either way the weights are read one tensor at a time.
     """
     # huggingface_hub reads these when first imported; set them before that, and
     # pass local_files_only below as well, so no code path reaches the network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    try:
-        import torch
+    try:  # both are needed below; checked here for a named error
+        import torch  # noqa: F401
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ModelLoadError(f"compiling needs {e.name}, which is not installed", hint="pip install -c constraints.txt 'llmc[compile]'") from e
@@ -210,8 +215,24 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
                                  hint="bundled models: " + ", ".join(BUNDLED))
 
     transformers.utils.logging.disable_progress_bar()  # the CLI owns the terminal
+    scratch = Path(tempfile.mkdtemp(prefix="llmc-gguf-")) if kwargs.get("gguf_file") and not cache_dir else None
+    try:
+        return _load(source, directory, kwargs, description, cache_dir, scratch)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _load(source: str, directory: Path | str, kwargs: dict[str, Any], description: str, cache_dir: str | Path | None,
+          scratch: Path | None) -> LoadedModel:
+    import torch
+    import transformers
+
     fingerprint = _fingerprint(directory, kwargs.get("gguf_file"))
-    cached = Path(cache_dir) / "gguf" / fingerprint[:32] if cache_dir and kwargs.get("gguf_file") else None
+    if scratch is not None:  # --no-cache: converted into a directory deleted when loading ends
+        cached = scratch / "model"
+    else:
+        cached = Path(cache_dir) / "gguf" / fingerprint[:32] if cache_dir and kwargs.get("gguf_file") else None
     if cached is not None and (cached / "config.json").is_file():
         log.info("using the dequantized copy of %s in %s", description, cached)
         directory, kwargs = cached, {"local_files_only": True}
@@ -247,13 +268,15 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
             tokenizer = transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
         except Exception as e:  # a model without tokenizer files is still compilable
             log.warning("no tokenizer found for %s (%s); the bundle will accept token ids only", source, e)
-    if cached is not None and kwargs.get("gguf_file") and _save_dequantized(model, tokenizer, cached):
+    if scratch is None and cached is not None and kwargs.get("gguf_file") and _save_dequantized(model, tokenizer, cached):
         # from here on read the weights from the cached copy, as for any checkpoint directory
         with _offline():
             streamed = _streamed(cached, transformers.AutoConfig.from_pretrained(cached, local_files_only=True))
         if streamed is not None:
             model, checkpoint = streamed
             _return_freed_heap()
+    if scratch is not None and checkpoint is not None:
+        checkpoint.map_files()  # the caller deletes the files; the mappings keep them readable
     eos = _eos_ids(model, tokenizer)
     log.info("loaded %s: %s, %d layers%s", description, type(model).__name__, model.config.num_hidden_layers,
              f", weights read on demand from {checkpoint.directory}" if checkpoint is not None else "")

@@ -162,3 +162,22 @@ def test_interrupted_gguf_conversion_leaves_no_partial_cache(tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         model_source.load("smollm2-135m", cache_dir=tmp_path)
     assert list((tmp_path / "gguf").iterdir()) == []
+
+
+def test_no_cache_gguf_streams_from_a_deleted_temporary_copy(smol_bundles, tmp_path, monkeypatch):
+    """Without a cache the GGUF is still converted tensor by tensor (not loaded whole): into a temporary
+    directory that is gone when load returns, its mapped file still serving the same weights as the cache's."""
+    import tempfile
+
+    from llmc import model_source
+    from llmc.checkpoint import Checkpoint
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    loaded = model_source.load("smollm2-135m", cache_dir=None)
+    assert loaded.checkpoint is not None and list(tmp_path.iterdir()) == []
+    assert all(p.device.type == "meta" for p in loaded.model.parameters())
+    (cached,) = list((smol_bundles["cache"] / "gguf").iterdir())
+    ref = Checkpoint(cached)
+    assert loaded.checkpoint.names() == ref.names()
+    for name in ref.names():
+        np.testing.assert_array_equal(loaded.checkpoint.load(name), ref.load(name), err_msg=name)
