@@ -198,3 +198,33 @@ def test_unaligned_tensor_reads_as_an_aligned_copy(tmp_path):
     got = Checkpoint(tmp_path).load("u")
     assert got.flags.aligned and got.flags.c_contiguous
     np.testing.assert_array_equal(got, values.reshape(2, 3))
+
+
+def test_stored_buffer_falls_back_to_loading_the_model(model_dirs, tmp_path, monkeypatch, caplog):
+    """A checkpoint that stores one of the model's buffers is loaded whole (from_pretrained would read the
+    stored value; the meta model keeps the computed one), with a warning naming the buffer."""
+    import logging
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from llmc import model_source
+
+    real = model_source._empty_model
+
+    def with_buffer(config):  # none of the supported families stores a buffer: give the model one
+        m = real(config)
+        m.model.register_buffer("extra_scale", torch.ones(4))
+        return m
+
+    monkeypatch.setattr(model_source, "_empty_model", with_buffer)
+    d = tmp_path / "buffered"
+    shutil.copytree(model_dirs("llama"), d)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.extra_scale"] = torch.full((4,), 2.0)
+    _save(d / "model.safetensors", tensors)
+    with caplog.at_level(logging.WARNING, logger="llmc.model_source"):
+        loaded = model_source.load(str(d))
+    assert loaded.checkpoint is None and not any(p.is_meta for p in loaded.model.parameters())
+    assert "stores buffers ['model.extra_scale']" in caplog.text
