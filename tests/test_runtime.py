@@ -150,7 +150,7 @@ def test_ort_attention_matches_numpy_kernel(d, rotary_dim):
     import onnxruntime as ort
 
     from llmc.runtime import kernels
-    from llmc.runtime.ort_attention import OrtAttention, gqa_model
+    from llmc.runtime.ort_attention import ONE_THREAD_KV_BYTES, OrtAttention, gqa_model
 
     onnx.checker.check_model(onnx.load_from_string(gqa_model(4, 2, d, 32, 0.3)))
     onnx.checker.check_model(onnx.load_from_string(gqa_model(4, 2, d, 32, 0.3, rotary=True)))
@@ -178,3 +178,31 @@ def test_ort_attention_matches_numpy_kernel(d, rotary_dim):
             assert got is attn._one[0].out
             assert (attn._one[0]._tables is not None) == node_rotates
         start += n
+    # decode runs on one thread while the layer's cache holds at most ONE_THREAD_KV_BYTES, then on all
+    one = attn._one[0]
+    switch = ONE_THREAD_KV_BYTES // (2 * kvh * d * 4)
+    assert [s.get_session_options().intra_op_num_threads for s, _ in one._runs] == [1, 2]
+    assert one.run_for(0) == one._runs[0] and one.run_for(switch - 1) == one._runs[0] and one.run_for(switch) == one._runs[1]
+
+
+def test_ort_attention_decode_switches_to_all_threads_with_the_same_numbers(monkeypatch):
+    """Decode attends on one thread below the switch position and on all threads from it; both equal the numpy kernel."""
+    import onnxruntime as ort
+
+    from llmc.runtime import kernels, ort_attention
+
+    h, kvh, d, cap = 4, 2, 16, 32
+    monkeypatch.setattr(ort_attention, "ONE_THREAD_KV_BYTES", 2 * kvh * d * 4 * 10)  # one thread below position 10
+    rng = np.random.default_rng(1)
+    ref, cache = kernels.KVCache({0: (kvh, d)}, cap), kernels.KVCache({0: (kvh, d)}, cap)
+    attn = ort_attention.OrtAttention(ort, cache, threads=2)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    used = []
+    for start, rows in [(0, 8)] + [(p, 1) for p in range(8, 16)]:
+        q, k, v = (rng.standard_normal((rows, f)).astype(np.float32) for f in (h * d, kvh * d, kvh * d))
+        cos, sin = kernels.rotary_table(np.arange(start, start + rows), inv_freq, 1.0)
+        kw = dict(layer=0, start=start, n=rows, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=0.25, rotary_dim=d, sliding_window=0)
+        np.testing.assert_allclose(attn(q, k, v, cos, sin, **kw), kernels.attention(q, k, v, cos, sin, cache=ref, **kw), atol=1e-5)
+        if rows == 1:
+            used.append(attn._one[0].run_for(start)[0].get_session_options().intra_op_num_threads)
+    assert used == [1, 1] + [2] * 6
