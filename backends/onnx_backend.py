@@ -149,6 +149,11 @@ class _Builder:
                 self.add("Mul", [x[0], f"{n.name}.sigmoid"], y, n.name)
             else:
                 self.add("Gelu", x, y, n.name, approximate="tanh" if a["kind"] == "gelu_tanh" else "none")
+        elif n.op == "Add" and any(v.producer is not None and v.producer.op == "QLinear" for v in n.inputs):
+            # A QLinear's result plus the residual stream as Sum, not Add: ONNX Runtime fuses
+            # MatMul + Add into a float Gemm before its QDQ fusion runs, and would dequantize
+            # the int8 weights on every call (measured: one-row W8A8 graphs 20x slower).
+            self.add("Sum", x, y, n.name)
         elif n.op in ("Add", "Mul"):
             self.add(n.op, x, y, n.name)
         elif n.op == "Scale":

@@ -291,3 +291,34 @@ def test_eval_cli(npu_bundles, bundles, tmp_path):
     assert "teacher-forced" in r.output and "2 prompts" in r.output
     r = CliRunner().invoke(cli, ["eval", str(npu_bundles["shadow"])])
     assert r.exit_code == 2
+
+
+@pytest.mark.parametrize("variant", ["shadow", "noshadow"])
+def test_onnx_runtime_keeps_every_qlinear_integer(npu_bundles, variant, tmp_path):
+    """After ONNX Runtime's graph optimisations every QLinear of every graph is one integer matmul
+    (MatMulIntegerToFloat) and no float Gemm or weight dequantization is left: a QLinear followed by
+    the residual Add (no shadow path between them) must not be fused into a float Gemm that
+    dequantizes the int8 weights on every call."""
+    import json
+
+    import onnx
+    import onnxruntime as ort
+    from onnx.external_data_helper import load_external_data_for_model
+
+    root = npu_bundles[variant]
+    m = json.loads((root / "manifest.json").read_text())
+    checked = 0
+    for name, g in m["graphs"].items():
+        for rows, inst in g["instances"].items():
+            so = ort.SessionOptions()
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            so.optimized_model_filepath = str(tmp_path / f"{name}.{rows}.onnx")
+            model = onnx.load(str(root / inst["file"]), load_external_data=False)
+            load_external_data_for_model(model, str(root))  # weight locations are relative to the bundle root
+            qlinears = sum(n.op_type == "MatMul" and n.input[0].endswith(".xdq") for n in model.graph.node)
+            ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            ops = [n.op_type for n in onnx.load(so.optimized_model_filepath, load_external_data=False).graph.node]
+            assert "Gemm" not in ops and "DequantizeLinear" not in ops, (name, rows, sorted(set(ops)))
+            assert ops.count("MatMulIntegerToFloat") == qlinears, (name, rows)
+            checked += qlinears
+    assert checked > 0
