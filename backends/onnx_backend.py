@@ -129,8 +129,8 @@ class _Builder:
             self.add("DequantizeLinear", [wq, ws, wzp], [f"{n.name}.w"], f"{n.name}.wdequant", **attrs)
             out = y if "bias" not in n.weights else [f"{n.name}.mm"]
             self.add("MatMul", [f"{n.name}.xdq", f"{n.name}.w"], out, n.name)
-            if "bias" in n.weights:
-                self.add("Add", [out[0], self.weight(n.weights["bias"])], y, f"{n.name}.bias")
+            if "bias" in n.weights:  # Sum: see the residual Add below
+                self.add("Sum", [out[0], self.weight(n.weights["bias"])], y, f"{n.name}.bias")
         elif n.op == "RMSNorm":
             w = self.weight(n.weights["weight"])
             if a["offset"]:

@@ -293,19 +293,23 @@ def test_eval_cli(npu_bundles, bundles, tmp_path):
     assert r.exit_code == 2
 
 
-@pytest.mark.parametrize("variant", ["shadow", "noshadow"])
-def test_onnx_runtime_keeps_every_qlinear_integer(npu_bundles, variant, tmp_path):
+@pytest.mark.parametrize("family, shadow", [("llama", True), ("llama", False), ("qwen2", True), ("phi", False)])
+def test_onnx_runtime_keeps_every_qlinear_integer(model_dirs, calib_file, family, shadow, tmp_path):
     """After ONNX Runtime's graph optimisations every QLinear of every graph is one integer matmul
-    (MatMulIntegerToFloat) and no float Gemm or weight dequantization is left: a QLinear followed by
-    the residual Add (no shadow path between them) must not be fused into a float Gemm that
-    dequantizes the int8 weights on every call."""
+    (MatMulIntegerToFloat) and no float Gemm or weight dequantization is left: a QLinear's bias
+    (Qwen2's q/k/v, Phi's everywhere) or the residual Add right after it (no shadow path between)
+    must not be fused into a float Gemm that dequantizes the int8 weights on every call."""
     import json
 
     import onnx
     import onnxruntime as ort
     from onnx.external_data_helper import load_external_data_for_model
 
-    root = npu_bundles[variant]
+    from llmc.compile import compile_model
+
+    root = tmp_path / "bundle"
+    compile_model(str(model_dirs(family)), root, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, calib_file=str(calib_file),
+                  calib_tokens=256, shadow=shadow)
     m = json.loads((root / "manifest.json").read_text())
     checked = 0
     for name, g in m["graphs"].items():
