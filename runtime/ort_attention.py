@@ -231,8 +231,8 @@ class _RotaryTables:
 
 
 # Decode attends on one thread while a layer's cached K and V up to the position are at most this
-# many bytes: SmolLM2 (3 KV heads of 64) decoded 8-10% faster on one thread than on two at 32 and
-# 512 tokens, and 3-6% slower at 1024 and 1800 (same-process A/B, 12 rounds of 48 tokens each).
+# many bytes. SmolLM2 (3 KV heads of 64), same-process A/Bs of 12-30 rounds: one thread was 8-9%
+# faster at 32 and 128 tokens and 3-10% at 512, but 3-6% slower at 1024 and 1800 tokens.
 ONE_THREAD_KV_BYTES = 1 << 20
 
 
