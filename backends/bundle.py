@@ -9,6 +9,7 @@ byte-identical files (sorted JSON, no timestamps).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -16,8 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from llmc.errors import CompileError
+from llmc.errors import CompileError, OutputError
 from llmc.runtime.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 @contextlib.contextmanager
@@ -28,10 +32,19 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise CompileError(f"output {out} is a non-empty directory that is not an llmc bundle; refusing to replace it",
                            hint="choose another -o, or remove the directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
-        yield tmp
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    except OSError as e:
+        raise OutputError(f"cannot create the bundle {out}: {e.strerror} ({e.filename})", hint="choose an -o in a writable directory") from e
+    try:
+        try:
+            yield tmp
+        except OSError as e:
+            if e.errno in _FULL:
+                raise OutputError(f"the disk of {out.parent} is full: writing {e.filename or 'the bundle'} failed ({e.strerror}); "
+                                   "nothing was written", hint="free space there, or choose an -o on a disk with room") from e
+            raise
         os.chmod(tmp, 0o755)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))

@@ -49,3 +49,9 @@ class CompileError(LlmcError):
     """The compile options are inconsistent (chunk larger than context, ...)."""
 
     exit_code = 2
+
+
+class OutputError(LlmcError):
+    """The bundle cannot be written: the disk is full, or the directory is not writable."""
+
+    exit_code = 7

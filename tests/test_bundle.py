@@ -111,6 +111,33 @@ def test_failed_compile_leaves_nothing(model_dirs, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_full_disk_is_a_named_error_and_leaves_nothing(model_dirs, tmp_path, monkeypatch):
+    """A full disk while writing the bundle: `llmc compile` names the directory, says what to do,
+    exits with 7 and leaves no partial bundle; an -o that cannot be created is the same error."""
+    import errno
+
+    from click.testing import CliRunner
+
+    from llmc.backends import onnx_backend
+    from llmc.cli import cli
+
+    real = onnx_backend.write_weights
+
+    def full(graph, names, root):
+        real(graph, list(names)[:1], root)  # some bytes are written before the disk fills up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(onnx_backend, "write_weights", full)
+    out = tmp_path / "bundles" / "b"
+    r = CliRunner().invoke(cli, ["compile", str(model_dirs("llama")), "-o", str(out), "--chunk", str(CHUNK), "--max-context", str(MAX_CONTEXT)])
+    assert r.exit_code == 7, r.output
+    assert f"the disk of {out.parent} is full" in r.output and "hint: free space there" in r.output
+    assert list((tmp_path / "bundles").iterdir()) == []
+    (tmp_path / "file").write_text("")
+    r = CliRunner().invoke(cli, ["compile", str(model_dirs("llama")), "-o", str(tmp_path / "file" / "b")])
+    assert r.exit_code == 7 and "cannot create the bundle" in r.output, r.output
+
+
 def test_refuses_to_replace_foreign_directory(model_dirs, tmp_path):
     from llmc.compile import compile_model
     from llmc.errors import CompileError
