@@ -24,14 +24,24 @@ from llmc.runtime.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-@contextlib.contextmanager
-def atomic_directory(out: str | Path) -> Iterator[Path]:
+def check_output(out: str | Path) -> Path:
+    """``out`` made absolute, once it is known that a bundle can be written there (compile_model
+    checks this before its slow stages; atomic_directory again when it writes)."""
     out = Path(out).absolute()
     if out.exists() and not out.is_dir():
         raise CompileError(f"output {out} exists and is not a directory", hint="choose another -o")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise CompileError(f"output {out} is a non-empty directory that is not an llmc bundle; refusing to replace it",
                            hint="choose another -o, or remove the directory")
+    existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot create the bundle {out}: {existing} is not a writable directory", hint="choose an -o in a writable directory")
+    return out
+
+
+@contextlib.contextmanager
+def atomic_directory(out: str | Path) -> Iterator[Path]:
+    out = check_output(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))

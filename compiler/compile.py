@@ -100,6 +100,7 @@ def compile_model(
             raise MlirBackendError(f"unknown MLIR dialect {mlir_dialect!r}", hint="choose one of: " + ", ".join(DIALECTS))
     if soc is not None and target != "npu":
         raise CompileError(f"--soc applies to --target npu, not {target}")
+    bundle_mod.check_output(out)  # a bad -o fails now, not after loading and compiling
     qnn_skip = None
     if target == "npu":
         from llmc.backends.qnn_backend import SOCS

@@ -136,6 +136,7 @@ def test_full_disk_is_a_named_error_and_leaves_nothing(model_dirs, tmp_path, mon
     (tmp_path / "file").write_text("")
     r = CliRunner().invoke(cli, ["compile", str(model_dirs("llama")), "-o", str(tmp_path / "file" / "b")])
     assert r.exit_code == 7 and "cannot create the bundle" in r.output, r.output
+    assert "[1/6] load" not in r.output  # refused before the slow stages
 
 
 def test_refuses_to_replace_foreign_directory(model_dirs, tmp_path):
