@@ -28,15 +28,25 @@ def check_output(out: str | Path) -> Path:
     """``out`` made absolute, once it is known that a bundle can be written there (compile_model
     checks this before its slow stages; atomic_directory again when it writes)."""
     out = Path(out).absolute()
-    if out.exists() and not out.is_dir():
-        raise CompileError(f"output {out} exists and is not a directory", hint="choose another -o")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise CompileError(f"output {out} is a non-empty directory that is not an llmc bundle; refusing to replace it",
-                           hint="choose another -o, or remove the directory")
-    existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    try:
+        if out.exists() and not out.is_dir():
+            raise CompileError(f"output {out} exists and is not a directory", hint="choose another -o")
+        if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+            raise CompileError(f"output {out} is a non-empty directory that is not an llmc bundle; refusing to replace it",
+                               hint="choose another -o, or remove the directory")
+        existing = next(p for p in (out.parent, *out.parent.parents) if p.exists())
+    except OSError as e:  # e.g. a parent directory that cannot be searched
+        raise _output_error(out, e) from e
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"cannot create the bundle {out}: {existing} is not a writable directory", hint="choose an -o in a writable directory")
     return out
+
+
+def _output_error(out: Path, e: OSError) -> OutputError:
+    if e.errno in _FULL:
+        return OutputError(f"the disk of {out.parent} is full: writing {e.filename or 'the bundle'} failed ({e.strerror}); nothing was written",
+                           hint="free space there, or choose an -o on a disk with room")
+    return OutputError(f"cannot write the bundle {out}: {e.strerror} ({e.filename})", hint="choose an -o in a writable directory")
 
 
 @contextlib.contextmanager
@@ -46,23 +56,25 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     except OSError as e:
-        raise OutputError(f"cannot create the bundle {out}: {e.strerror} ({e.filename})", hint="choose an -o in a writable directory") from e
+        raise _output_error(out, e) from e
     try:
         try:
             yield tmp
         except OSError as e:
             if e.errno in _FULL:
-                raise OutputError(f"the disk of {out.parent} is full: writing {e.filename or 'the bundle'} failed ({e.strerror}); "
-                                   "nothing was written", hint="free space there, or choose an -o on a disk with room") from e
-            raise
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.rename(out, old / "bundle")
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+                raise _output_error(out, e) from e
+            raise  # an error of the compile itself, not of the disk
+        try:
+            os.chmod(tmp, 0o755)
+            if out.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+                os.rename(out, old / "bundle")
+                os.rename(tmp, out)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, out)
+        except OSError as e:
+            raise _output_error(out, e) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -21,7 +21,11 @@ Linear          Gemm(x, W, b, transB=1) — W stays [out, in], shared with a tie
 RMSNorm         RMSNormalization(x, offset + w, axis=-1)
 LayerNorm       LayerNormalization(x, w, b, axis=-1)
 Act             Sigmoid·x (silu), Gelu(approximate=none|tanh)
-Add / Mul       Add / Mul
+QLinear         QuantizeLinear, DequantizeLinear (x and W), MatMul, + bias as Sum
+                (ONNX Runtime fuses the pattern into MatMulIntegerToFloat)
+ShadowOutliers  Clip, Sub, NonZero, Gather, MatMul, Split, Sum (decode graphs)
+Add / Mul       Add / Mul; an Add of a QLinear's result is a Sum (ONNX Runtime
+                would fuse MatMul + Add into a float Gemm that dequantizes W per call)
 Scale           Mul by a scalar constant
 Slice           Slice on axis 1
 ==============  ==========================================================

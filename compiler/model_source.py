@@ -215,7 +215,12 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
                                  hint="bundled models: " + ", ".join(BUNDLED))
 
     transformers.utils.logging.disable_progress_bar()  # the CLI owns the terminal
-    scratch = Path(tempfile.mkdtemp(prefix="llmc-gguf-")) if kwargs.get("gguf_file") and not cache_dir else None
+    scratch = None
+    if kwargs.get("gguf_file") and not cache_dir:
+        try:
+            scratch = Path(tempfile.mkdtemp(prefix="llmc-gguf-"))
+        except OSError as e:  # no usable $TMPDIR: transformers' whole-model load still works
+            log.warning("cannot create a temporary directory for the dequantized %s (%s); loading the whole model into memory", description, e)
     try:
         return _load(source, directory, kwargs, description, cache_dir, scratch)
     finally:
@@ -279,7 +284,7 @@ def _load(source: str, directory: Path | str, kwargs: dict[str, Any], descriptio
         checkpoint.map_files()  # the caller deletes the files; the mappings keep them readable
     eos = _eos_ids(model, tokenizer)
     log.info("loaded %s: %s, %d layers%s", description, type(model).__name__, model.config.num_hidden_layers,
-             f", weights read on demand from {checkpoint.directory}" if checkpoint is not None else "")
+             "" if checkpoint is None else ", weights read on demand from " + ("a deleted temporary copy" if scratch else str(checkpoint.directory)))
     return LoadedModel(model, tokenizer, source, description, eos, fingerprint, checkpoint)
 
 
@@ -303,9 +308,6 @@ def _convert_gguf(directory: Path, gguf_file: str, dest: Path, source: str) -> b
     Returns False (after logging why) when the model cannot be converted this
     way; the caller then loads it the usual way.
     """
-    import shutil
-    import tempfile
-
     import gguf
     import transformers
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
@@ -430,9 +432,6 @@ def _streamed(directory: Path, config: Any) -> tuple[Any, Checkpoint] | None:
 
 def _save_dequantized(model: Any, tokenizer: Any, path: Path) -> bool:
     """Write the dequantized model next to the calibration cache, atomically; False if it could not be written."""
-    import shutil
-    import tempfile
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     try:

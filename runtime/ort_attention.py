@@ -180,7 +180,7 @@ class OrtAttention:
                 tables = self._rotary_tables(d) if _node_rotates(rotary_dim, d) else None
                 key = (h, kvh, d, float(scale), tables is not None)
                 runs = [(sess, self._cache_binding(sess, layer)) for sess in dict.fromkeys(self._session(key, t) for t in (1, self._threads))]
-                one = self._one[layer] = _OneRow(runs, h, kvh, d, tables, one_thread_len=ONE_THREAD_KV_BYTES // (2 * kvh * d * 4))
+                one = self._one[layer] = _OneRow(runs, h, kvh, d, tables, one_thread_len=ONE_THREAD_KV_BYTES // (2 * kvh * d * self._cache.k[layer].itemsize))
             return one(q, k, v, cos, sin, start, rotary_dim)
         qn, kn = q[:n], k[:n]
         if rotary_dim:

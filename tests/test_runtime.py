@@ -196,13 +196,17 @@ def test_ort_attention_decode_switches_to_all_threads_with_the_same_numbers(monk
     rng = np.random.default_rng(1)
     ref, cache = kernels.KVCache({0: (kvh, d)}, cap), kernels.KVCache({0: (kvh, d)}, cap)
     attn = ort_attention.OrtAttention(ort, cache, threads=2)
-    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    attn.prepare(h, kvh, d, 0.25, rotary_dim=d)
     used = []
+    for sess in attn._sessions.values():  # record which session each call runs on
+        def spy(binding, run=sess.run_with_iobinding, threads=sess.get_session_options().intra_op_num_threads):
+            used.append(threads)
+            return run(binding)
+        sess.run_with_iobinding = spy
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
     for start, rows in [(0, 8)] + [(p, 1) for p in range(8, 16)]:
         q, k, v = (rng.standard_normal((rows, f)).astype(np.float32) for f in (h * d, kvh * d, kvh * d))
         cos, sin = kernels.rotary_table(np.arange(start, start + rows), inv_freq, 1.0)
         kw = dict(layer=0, start=start, n=rows, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=0.25, rotary_dim=d, sliding_window=0)
         np.testing.assert_allclose(attn(q, k, v, cos, sin, **kw), kernels.attention(q, k, v, cos, sin, cache=ref, **kw), atol=1e-5)
-        if rows == 1:
-            used.append(attn._one[0].run_for(start)[0].get_session_options().intra_op_num_threads)
-    assert used == [1, 1] + [2] * 6
+    assert used == [2] + [1, 1] + [2] * 6  # the chunk, then decode at positions 8, 9 | 10..15

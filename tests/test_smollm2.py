@@ -181,3 +181,20 @@ def test_no_cache_gguf_streams_from_a_deleted_temporary_copy(smol_bundles, tmp_p
     assert loaded.checkpoint.names() == ref.names()
     for name in ref.names():
         np.testing.assert_array_equal(loaded.checkpoint.load(name), ref.load(name), err_msg=name)
+
+
+def test_no_cache_without_a_temporary_directory_loads_the_gguf_whole(monkeypatch, caplog):
+    """No usable $TMPDIR for the --no-cache conversion: the GGUF is loaded whole by transformers, with a warning."""
+    import logging
+    import tempfile
+
+    from llmc import model_source
+
+    def no_tmp(*a, **k):
+        raise PermissionError(13, "Permission denied", "/nonexistent-tmp")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_tmp)
+    with caplog.at_level(logging.WARNING, logger="llmc.model_source"):
+        loaded = model_source.load("smollm2-135m", cache_dir=None)
+    assert loaded.checkpoint is None and not any(p.is_meta for p in loaded.model.parameters())
+    assert "cannot create a temporary directory" in caplog.text
