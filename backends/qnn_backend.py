@@ -277,7 +277,7 @@ def _run_shard_process(root: Path, weights: dict[str, dict[str, Any]], soc: str,
     if result is None:
         tail = proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else "no message"
         raise QnnBackendError(f"the process preparing QNN context shard {si} ({len(items)} graphs) failed with exit code {proc.returncode}: {tail}",
-                              hint="if it ran out of memory, rerun with a smaller --qnn-shard-mb (docs/qnn.md)")
+                              hint="if it ran out of memory, rerun with a smaller --qnn-shard-mb or --qnn-shard-graphs (docs/qnn.md)")
     if result.get("error"):
         raise QnnBackendError(result["error"], hint=result["hint"])
 

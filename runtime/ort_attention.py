@@ -130,8 +130,7 @@ class OrtAttention:
         """Create the sessions for this configuration (chunks, and one row) now rather than on first use."""
         key = (num_heads, num_kv_heads, head_dim, float(scale))
         self._session(key + (False,))
-        for threads in {1, self._threads}:
-            self._session(key + (_node_rotates(rotary_dim, head_dim),), threads)
+        self._one_row_sessions(key + (_node_rotates(rotary_dim, head_dim),))
 
     def _session(self, key: tuple, threads: int | None = None):
         """The session of ``(heads, kv heads, head dim, scale, node rotates)`` on ``threads`` (default: all)."""
@@ -147,6 +146,10 @@ class OrtAttention:
             sess = self._sessions[key + (threads,)] = ort.InferenceSession(gqa_model(*key[:3], self._cache.capacity, *key[3:]), so,
                                                                            providers=["CPUExecutionProvider"])
         return sess
+
+    def _one_row_sessions(self, key: tuple) -> list[Any]:
+        """Decode's sessions of ``key``: on one thread, then on all threads (one session if that is one)."""
+        return list(dict.fromkeys(self._session(key, t) for t in (1, self._threads)))
 
     def _rotary_tables(self, head_dim: int) -> "_RotaryTables":
         t = self._tables.get(head_dim)
@@ -179,7 +182,7 @@ class OrtAttention:
                 # full-width rotary is done by the attention node itself, from tables of every position
                 tables = self._rotary_tables(d) if _node_rotates(rotary_dim, d) else None
                 key = (h, kvh, d, float(scale), tables is not None)
-                runs = [(sess, self._cache_binding(sess, layer)) for sess in dict.fromkeys(self._session(key, t) for t in (1, self._threads))]
+                runs = [(sess, self._cache_binding(sess, layer)) for sess in self._one_row_sessions(key)]
                 one = self._one[layer] = _OneRow(runs, h, kvh, d, tables, one_thread_len=ONE_THREAD_KV_BYTES // (2 * kvh * d * self._cache.k[layer].itemsize))
             return one(q, k, v, cos, sin, start, rotary_dim)
         qn, kn = q[:n], k[:n]
@@ -285,11 +288,9 @@ class _OneRow:
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray | None, sin: np.ndarray | None, start: int,
                  rotary_dim: int) -> np.ndarray:
-        if self._tables is not None:
+        if self._tables is not None:  # the node rotates q and k
             self._tables.write(start, cos, sin)
-            np.copyto(self.q.reshape(1, -1), q)
-            np.copyto(self.k.reshape(1, -1), k)
-        elif rotary_dim:
+        if rotary_dim and self._tables is None:
             self._rope_into(q, self._h, cos, sin, rotary_dim, self.q)
             self._rope_into(k, self._kvh, cos, sin, rotary_dim, self.k)
         else:
