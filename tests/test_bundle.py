@@ -139,6 +139,37 @@ def test_full_disk_is_a_named_error_and_leaves_nothing(model_dirs, tmp_path, mon
     assert "[1/6] load" not in r.output  # refused before the slow stages
 
 
+def test_os_errors_around_the_bundle_are_output_errors(tmp_path, monkeypatch):
+    """A parent that cannot be searched, and a full disk when the finished bundle is renamed into
+    place, are OutputErrors too; the partial bundle is removed."""
+    import errno
+    from pathlib import Path
+
+    from llmc.backends import bundle
+    from llmc.errors import OutputError
+
+    real_exists = Path.exists
+
+    def unsearchable(self, *a, **k):
+        if self == tmp_path / "locked" / "b":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_exists(self, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "exists", unsearchable)
+        with pytest.raises(OutputError, match="cannot write the bundle .*Permission denied"):
+            bundle.check_output(tmp_path / "locked" / "b")
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bundle.os, "rename", full)
+    with pytest.raises(OutputError, match="is full"):
+        with bundle.atomic_directory(tmp_path / "out") as root:
+            (root / "x").write_text("x")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_refuses_to_replace_foreign_directory(model_dirs, tmp_path):
     from llmc.compile import compile_model
     from llmc.errors import CompileError
