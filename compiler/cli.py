@@ -64,6 +64,8 @@ def cli(verbose: int) -> None:
 @click.option("--qnn-shard-mb", type=click.IntRange(1), default=None, help="[npu] Largest weights per QNN context binary (default 2048 MB).")
 @click.option("--qnn-shard-graphs", type=click.IntRange(1), default=None,
               help="[npu] Most graph instances per QNN context binary (default 64; bounds the host memory of preparing it).")
+@click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True,
+              help="[cpu] Weight format: float32, or int4 (weight-only, blocks of 32 weights with a scale and an offset, llama.cpp's Q4_1 grid; float activations).")
 @click.option("--mlir-dialect", type=click.Choice(["tosa", "linalg"]), default="tosa", show_default=True, help="[mlir] Dialect of the emitted modules.")
 @click.option("--repro-dir", type=click.Path(file_okay=False), default=None, help="[mlir] Where lowering reproducers go (default: llmc-repro/ next to -o).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C (rows of the shared static graphs).")
@@ -92,7 +94,7 @@ def cli(verbose: int) -> None:
 @click.option("--no-cache", is_flag=True, help="Do not read or write the cache (a GGUF is then dequantized into a temporary directory under $TMPDIR, deleted once loaded).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @_guard
-def compile(model, out, target, soc, qnn_shard_mb, qnn_shard_graphs, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
+def compile(model, out, target, weights, soc, qnn_shard_mb, qnn_shard_graphs, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
             shadow_keep, pruned_percentile, hot_budget, weight_granularity, profile, placement, prompt_len, memory_budget, prefetch_depth, cache_dir, no_cache, quiet):
     """Compile MODEL into a bundle.
 
@@ -121,7 +123,7 @@ def compile(model, out, target, soc, qnn_shard_mb, qnn_shard_graphs, mlir_dialec
     summary = compile_model(
         model, out, target=target, chunk=chunk, max_context=max_context, pipeline=pipeline, instruments=instruments, progress=progress,
         mlir_dialect=mlir_dialect, repro_dir=repro_dir, soc=soc, qnn_shard_bytes=qnn_shard_mb << 20 if qnn_shard_mb else None,
-        qnn_shard_graphs=qnn_shard_graphs,
+        qnn_shard_graphs=qnn_shard_graphs, weight_format=weights,
         calib_file=calib_file, calib_tokens=calib_tokens, cache_dir=cache_dir, shadow=not no_shadow, clip_percentile=clip_percentile,
         shadow_keep=shadow_keep, pruned_percentile=None if pruned_percentile >= 100 else pruned_percentile, hot_budget=hot_budget,
         weight_granularity=weight_granularity, profile=profile, placement=placement, prompt_len=prompt_len, memory_budget=memory_budget, prefetch_depth=prefetch_depth,

@@ -21,6 +21,7 @@ from llmc.pass_manager import CompileOptions, Instrument, ModelInputs, PassConte
 log = logging.getLogger(__name__)
 
 TARGETS = ("cpu", "npu", "mlir")
+WEIGHT_FORMATS = ("float32", "int4")  # --target cpu --weights
 STAGES = ("load", "trace", "lift", "passes", "emit", "qnn")
 
 
@@ -72,6 +73,7 @@ def compile_model(
     soc: str | None = None,
     qnn_shard_bytes: int | None = None,
     qnn_shard_graphs: int | None = None,
+    weight_format: str = "float32",
     **quant_options: Any,
 ) -> CompileSummary:
     """Compile ``source`` into the bundle directory ``out``.
@@ -81,6 +83,8 @@ def compile_model(
     ``quant_options`` are the quantization fields of :class:`CompileOptions`
     (calib_file, calib_tokens, cache_dir, shadow, clip_percentile, shadow_keep,
     pruned_percentile, hot_budget, weight_granularity); they matter for ``target="npu"``.
+    ``weight_format="int4"`` (``target="cpu"`` only) runs the ``cpu-int4`` pipeline: weight-only
+    int4 Linears (``quantize_int4``).
     """
     from llmc import lift as lift_mod
     from llmc import model_source
@@ -100,6 +104,11 @@ def compile_model(
             raise MlirBackendError(f"unknown MLIR dialect {mlir_dialect!r}", hint="choose one of: " + ", ".join(DIALECTS))
     if soc is not None and target != "npu":
         raise CompileError(f"--soc applies to --target npu, not {target}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise CompileError(f"unknown weight format {weight_format!r}", hint="choose one of: " + ", ".join(WEIGHT_FORMATS))
+    if weight_format != "float32" and target != "cpu":
+        raise CompileError(f"--weights {weight_format} applies to --target cpu, not {target}",
+                           hint="the npu target quantizes to W8A8 itself; drop --weights, or use --target cpu")
     bundle_mod.check_output(out)  # a bad -o fails now, not after loading and compiling
     qnn_skip = None
     if target == "npu":
@@ -114,7 +123,7 @@ def compile_model(
             qnn_skip = qnn_available()
         if qnn_skip:
             log.warning("QNN context binaries skipped: %s; the bundle has the ONNX graphs only", qnn_skip)
-    default = "npu-qnn" if target == "npu" and not qnn_skip else target
+    default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
     passes = parse_pipeline(pipeline or default_pipeline(default), REGISTRY)  # fail fast on a bad --pipeline
     quant_options["profile"] = resolve_profile(quant_options.get("profile"), soc)
     try:

@@ -18,6 +18,11 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   under ``ONE_THREAD_BYTES``, which the runtime runs on one thread, the
   one-thread table ``cpu.int8_gemv_1t_s``).
   A ``Linear`` placed on the NPU of a target that quantizes is costed as QLinear.
+* ``BlockQLinear`` (CPU, weight-only b-bit codes in blocks of B): the bytes it
+  reads, ``KN (b/8 + 8/B) / cpu.mem_bytes_per_s``, against its arithmetic:
+  ``2RKN / cpu.fp32_flops_per_s`` for a chunk (the backend computes chunks in
+  float32), ``2KN / cpu.int8_gemv_ops_per_s`` at one row (int8 activations),
+  falling back to the float32 rate when the profile has no int8 rate.
 * element-wise and norms: bytes moved (inputs + output, 4 bytes per value on
   the CPU, 2 on the NPU's 16-bit activations) / ``mem_bytes_per_s``.
 * ``Attention`` (CPU) of n new rows over S keys, H heads of D:
@@ -57,6 +62,7 @@ from llmc.runtime.session import ONE_THREAD_BYTES
 
 # llm.npu: outliers sit in 5-15 channels per layer, 0.1-0.3% of them (REFERENCES.md).
 ASSUMED_OUTLIER_CHANNEL_FRACTION = 0.003
+CPU_ONLY_STATIC = ("BlockQLinear",)  # static ops with no NPU lowering: their graphs stay on the CPU
 ELEMENTWISE = ("RMSNorm", "LayerNorm", "Act", "Add", "Mul", "Scale", "Slice")
 
 
@@ -109,6 +115,15 @@ class CostModel:
                 floor = gemv_table_seconds(table, k, nout) if table else 2.0 * k * nout / gemv if gemv else 0.0
                 return max(ops / p["cpu.int8_ops_per_s"], k * nout / p["cpu.mem_bytes_per_s"], floor)
             return max(ops / p["cpu.fp32_flops_per_s"], 4.0 * k * nout / p["cpu.mem_bytes_per_s"])
+        if op == "BlockQLinear":
+            if proc != "cpu":
+                raise ValueError("BlockQLinear runs on the CPU only")
+            nout, nb, width = node.weights["qweight"].shape
+            block = node.attrs["block_size"]
+            k = nb * block
+            read = nout * nb * (width + 8.0) / p["cpu.mem_bytes_per_s"]  # codes, a scale and an offset per block
+            rate = p.get("cpu.int8_gemv_ops_per_s") if rows == 1 else None
+            return max(read, 2.0 * rows * k * nout / (rate or p["cpu.fp32_flops_per_s"]))
         if op in ELEMENTWISE:
             elems = sum(_features(v.shape) for v in node.inputs) + sum(_features(v.shape) for v in node.outputs)
             width = 2.0 if proc == "npu" else 4.0
@@ -155,7 +170,9 @@ class CostModel:
     def can_run(self, step: Step, proc: str) -> bool:
         if proc == "cpu":
             return True
-        return proc == "npu" and self.profile.has_npu and step.kind == "graph"
+        if not (proc == "npu" and self.profile.has_npu and step.kind == "graph"):
+            return False
+        return not any(self._nodes[n].op in CPU_ONLY_STATIC for n in self.subgraph(step.name).nodes)
 
     def step_seconds(self, step: Step, rows: int, n: int, keys: int, proc: str) -> float:
         """One step: its nodes plus the processor's launch cost."""

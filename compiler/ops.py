@@ -112,6 +112,21 @@ def _qlinear(node: "Node"):
     return [((_rows(node), out_f), "float32")]
 
 
+def _blockqlinear(node: "Node"):
+    (x,) = node.inputs
+    out_f, nb, width = node.weights["qweight"].shape
+    block, bits = node.attrs["block_size"], node.attrs["bits"]
+    if bits not in (4, 8) or width * 8 != block * bits:
+        raise ValueError(f"{width} bytes per block do not hold {block} {bits}-bit codes (bits must be 4 or 8)")
+    if x.shape[-1] != nb * block:
+        raise ValueError(f"input has {x.shape[-1]} features, weight expects {nb * block}")
+    if node.weights["scales"].shape != (out_f * nb,) or node.weights["offsets"].shape != (nb, out_f):
+        raise ValueError("scales must be [N * blocks] and offsets [blocks, N]")
+    if "bias" in node.weights and node.weights["bias"].shape != (out_f,):
+        raise ValueError("bias shape does not match weight")
+    return [((_rows(node), out_f), "float32")]
+
+
 def _shadow(node: "Node"):
     x, ys = node.inputs[0], node.inputs[1:]
     in_f, total = node.weights["weight_t"].shape
@@ -202,6 +217,16 @@ OPS: dict[str, OpDef] = {
             ("bias",),
             "W8A8: dequant(quant_u8(x)) @ dequant(W_int8) (+ b); activations per tensor, weights symmetric",
             _qlinear,
+        ),
+        OpDef(
+            "BlockQLinear",
+            "static",
+            (1, 1),
+            ("block_size", "bits"),
+            ("qweight", "scales", "offsets"),
+            ("bias",),
+            "weight-only 4/8-bit: x @ (s * (q - 2^(bits-1)) + o)^T (+ b), a scale and an offset per block of inputs; float activations",
+            _blockqlinear,
         ),
         OpDef("RMSNorm", "static", (1, 1), ("eps", "offset"), ("weight",), (), "x * rsqrt(mean(x^2) + eps) * (offset + w)", _norm),
         OpDef("LayerNorm", "static", (1, 1), ("eps",), ("weight",), ("bias",), "(x - mean) / sqrt(var + eps) * w + b", _norm),

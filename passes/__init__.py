@@ -14,16 +14,19 @@ from llmc.passes.fuse_cpu_decode import FuseCpuDecode
 from llmc.passes.place import Place
 from llmc.passes.plan_offload import PlanOffload
 from llmc.passes.quantize import Quantize
+from llmc.passes.quantize_int4 import QuantizeInt4
 from llmc.passes.schedule import ScheduleSteps
 from llmc.passes.select_logit_rows import SelectLogitRows
 
-ALL_PASSES = [DeadCodeElimination, Calibrate, ExtractShadowOutliers, Quantize, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, Place, ScheduleSteps, PlanOffload,
+ALL_PASSES = [DeadCodeElimination, Calibrate, ExtractShadowOutliers, Quantize, QuantizeInt4, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, Place, ScheduleSteps, PlanOffload,
               AssumeShadowPlan]
 REGISTRY = {p.name: p for p in ALL_PASSES}
 
 # The pipeline each target runs when --pipeline is not given.
 DEFAULT_PIPELINES = {
     "cpu": "dce,select_logit_rows,chunk_static_graphs,place,schedule,plan_offload",
+    # --target cpu --weights int4
+    "cpu-int4": "dce,select_logit_rows,quantize_int4,chunk_static_graphs,place,schedule,plan_offload",
     "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,chunk_static_graphs,fuse_cpu_decode,place,schedule,plan_offload",
     "mlir": "dce,select_logit_rows,chunk_static_graphs,place,schedule,plan_offload",
     # `llmc plan`: no weights, so no calibration; the program has the npu target's shape

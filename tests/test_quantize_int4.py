@@ -1,0 +1,248 @@
+"""Weight-only int4 for the CPU (``--target cpu --weights int4``): the block format, the
+quantize_int4 pass, the ONNX lowering (MatMulNBits + the offsets' Gemm) and bundles end to end."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import CHUNK, MAX_CONTEXT
+from llmc.passes.quantize_int4 import BLOCK, dequantize_blocks, quantize_blocks
+
+IDS = [1, 5, 9, 17, 33, 4, 8, 12, 40, 41, 42, 7, 6, 30, 31, 11, 50, 60, 3, 22]  # 20 tokens: two full chunks and a partial one
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_blocks_round_trip_within_half_a_step(bits):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((40, 3 * BLOCK)).astype(np.float32)
+    w[3, :BLOCK] = 0.0  # an all-zero block
+    w[4, BLOCK : 2 * BLOCK] = 0.25  # a constant block
+    w[5, 2 * BLOCK :] = np.abs(w[5, 2 * BLOCK :]) + 2.0  # a block far from zero: its range does not hold 0
+    codes, scales, offsets = quantize_blocks(w, bits)
+    assert codes.shape == (40, 3, BLOCK * bits // 8) and codes.dtype == np.uint8
+    assert scales.shape == (40 * 3,) and offsets.shape == (3, 40)
+    back = dequantize_blocks(codes, scales, offsets, bits)
+    step = scales.reshape(40, 3, 1)
+    err = np.abs(back - w).reshape(40, 3, BLOCK)
+    assert (err <= step / 2 * 1.0001 + 1e-6).all()
+    assert np.array_equal(back[3, :BLOCK], w[3, :BLOCK]) and np.allclose(back[4, BLOCK : 2 * BLOCK], 0.25, rtol=0, atol=1e-7)
+    # each block's minimum and maximum are on the grid
+    blocks, got = w.reshape(40, 3, BLOCK), back.reshape(40, 3, BLOCK)
+    assert np.allclose(got.min(axis=2), blocks.min(axis=2), atol=1e-5) and np.allclose(got.max(axis=2), blocks.max(axis=2), atol=1e-5)
+    # the far-from-zero block keeps a fine step: an integer zero point would need one 1.7x+ coarser
+    far = w[5, 2 * BLOCK :]
+    assert scales.reshape(40, 3)[5, 2] == pytest.approx((far.max() - far.min()) / ((1 << bits) - 1), rel=1e-6)
+
+
+def test_q4_1_weights_come_back_exactly():
+    """Weights on llama.cpp's Q4_1 grid (d * q + m, codes 0 and 15 used in every block), as a
+    Q4_1 GGUF dequantizes, re-quantize onto the same codes: nothing is lost twice."""
+    rng = np.random.default_rng(1)
+    n, nb = 24, 4
+    q = rng.integers(0, 16, (n, nb, BLOCK)).astype(np.float32)
+    q[..., 0], q[..., 1] = 0, 15
+    d = rng.uniform(0.001, 0.05, (n, nb, 1)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-0.4, 0.1, (n, nb, 1)).astype(np.float16).astype(np.float32)
+    w = (d * q + m).reshape(n, nb * BLOCK)
+    codes, scales, offsets = quantize_blocks(w, 4)
+    lo = np.empty((n, nb, BLOCK), np.uint8)
+    lo[..., 0::2], lo[..., 1::2] = codes & 15, codes >> 4
+    assert np.array_equal(lo, q.astype(np.uint8))
+    assert np.abs(dequantize_blocks(codes, scales, offsets, 4) - w).max() < 1e-6
+
+
+def test_bad_shapes_and_bits_are_refused():
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        quantize_blocks(np.zeros((4, 48), np.float32))
+    with pytest.raises(ValueError, match="3-bit"):
+        quantize_blocks(np.zeros((4, 32), np.float32), bits=3)
+
+
+def _lift(model_dir, chunk=CHUNK):
+    import torch
+    import transformers as T
+
+    from llmc.lift import lift, trace
+
+    m = T.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return lift(trace(m, chunk), m)
+
+
+def _quantized(graph, pipeline="dce,quantize_int4"):
+    from llmc.pass_manager import CompileOptions, PassContext, parse_pipeline, run_pipeline
+    from llmc.passes import REGISTRY
+
+    run_pipeline(graph, parse_pipeline(pipeline, REGISTRY), PassContext(CompileOptions(chunk=CHUNK, max_context=MAX_CONTEXT)))
+    return graph
+
+
+def test_pass_quantizes_every_linear_and_the_head_at_8_bits(model_dirs):
+    g = _quantized(_lift(model_dirs("llama")))
+    assert not g.find("Linear")
+    qs = g.find("BlockQLinear")
+    assert len(qs) == 2 * 7 + 1
+    head = g.outputs[0].producer
+    assert head.op == "BlockQLinear" and head.attrs["bits"] == 8
+    assert {q.attrs["bits"] for q in qs if q is not head} == {4}
+    assert head.weights["qweight"].shape == (128, 64 // BLOCK, BLOCK)
+    g.verify()
+
+
+def test_pass_keeps_linears_whose_width_is_not_a_multiple_of_32(tmp_path, caplog):
+    """hidden 48: q/k/v, gate/up and the head read 48 features and stay float; o_proj and down_proj
+    (64 and 96 inputs) are quantized."""
+    import logging
+
+    import torch
+    import transformers as T
+
+    from conftest import COMMON
+
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(**{**COMMON, "hidden_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
+    d = tmp_path / "w48"
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    with caplog.at_level(logging.WARNING, logger="llmc.passes.quantize_int4"):
+        g = _quantized(_lift(d))
+    assert sorted({n.name.split(".")[-2] for n in g.find("BlockQLinear")}) == ["down_proj", "o_proj"]
+    assert len(g.find("Linear")) == 2 * 5 + 1
+    assert "11 Linear(s) stay float32" in caplog.text and "and 6 more" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def int4_bundles(tmp_path_factory, model_dirs):
+    from llmc.compile import compile_model
+
+    root = tmp_path_factory.mktemp("int4")
+    out = {}
+    for fam in ("llama", "qwen2", "phi"):
+        out[fam] = root / fam
+        compile_model(str(model_dirs(fam)), out[fam], target="cpu", weight_format="int4", chunk=CHUNK, max_context=MAX_CONTEXT)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi"])
+def test_bundle_computes_what_the_quantized_ir_says(int4_bundles, model_dirs, family):
+    """Prefill (chunk graphs, float32 compute) matches the interpreter on the quantized IR to float
+    rounding; decode (one-row graphs, int8 activations per block) to within 3% of the logits' range
+    (1.2-1.6% measured on these random models).
+    Qwen2 and Phi have biases; Phi a parallel block and partial rotary."""
+    from llmc.interpreter import Interpreter
+    from llmc.runtime import Session
+
+    ref = Interpreter(_quantized(_lift(model_dirs(family)))).run(IDS)
+    span = float(ref.max() - ref.min())
+    s = Session(int4_bundles[family])
+    got = s.prefill(IDS, all_logits=True)
+    assert np.abs(got - ref).max() < 1e-4 * span
+    s.reset()
+    s.prefill(IDS[:12])
+    steps = np.stack([s.decode(t) for t in IDS[12:]])
+    err = np.abs(steps - ref[12:]).max() / span
+    agree = np.mean([int(a.argmax()) == int(b.argmax()) for a, b in zip(steps, ref[12:])])
+    print(f"{family}: decode error {err:.4f} of the logits' range, argmax agreement {agree:.3f}")
+    assert err < 3e-2 and agree >= 7 / 8
+
+
+def test_bundle_stays_close_to_the_float_model(int4_bundles, model_dirs):
+    """A gross error (a wrong nibble order, offsets transposed) would leave no correlation; Gaussian
+    random weights are 4 bits' worst case (0.95 measured), the real model's bound is in test_smollm2."""
+    from conftest import hf_logits
+    from llmc.runtime import Session
+
+    ref = hf_logits(model_dirs("llama"), IDS)
+    got = Session(int4_bundles["llama"]).prefill(IDS, all_logits=True)
+    corr = np.corrcoef(got.ravel(), ref.ravel())[0, 1]
+    assert corr > 0.9, corr
+
+
+def test_lowering_is_matmulnbits_with_accuracy_by_rows(int4_bundles):
+    """One-row graphs compute with int8 activations (accuracy_level 4), chunk graphs in float32 (0);
+    no float copy of a quantized weight is in any graph, and ONNX Runtime keeps MatMulNBits."""
+    import onnx
+    import onnxruntime as ort
+
+    root = int4_bundles["llama"]
+    m = json.loads((root / "manifest.json").read_text())
+    assert "quantize_int4" in m["pipeline"]
+    float_weights = {n for n, w in m["weights"].items() if w["dtype"] == "float32" and len(w["shape"]) == 2 and not n.endswith(".offset")}
+    seen = {1: 0, CHUNK: 0}
+    for name, g in m["graphs"].items():
+        assert not float_weights & set(g["weights"]), (name, float_weights & set(g["weights"]))
+        for rows, inst in g["instances"].items():
+            model = onnx.load(root / inst["file"], load_external_data=False)
+            mm = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+            for n in mm:
+                attrs = {a.name: a.i for a in n.attribute}
+                assert attrs["accuracy_level"] == (4 if int(rows) == 1 else 0) and attrs["bits"] in (4, 8)
+            seen[int(rows)] += len(mm)
+    assert seen[1] == seen[CHUNK] == 2 * 7 + 1
+    # after ONNX Runtime's optimisations the MatMulNBits nodes are still there (no float fallback)
+    from llmc.runtime import Session
+
+    s = Session(root)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opt = root.parent / "opt.onnx"
+    so.optimized_model_filepath = str(opt)
+    inst = m["graphs"]["block01"]["instances"]["1"]["file"]
+    names = [n for n in m["graphs"]["block01"]["weights"]]
+    so.add_external_initializers(names, [ort.OrtValue.ortvalue_from_numpy(s._weights[n]) for n in names])
+    ort.InferenceSession((root / inst).read_bytes(), so, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(opt, load_external_data=False).graph.node]
+    assert ops.count("MatMulNBits") == 7 and "DequantizeLinear" not in ops
+
+
+def test_int4_weights_replace_the_float_ones_and_stream_under_a_budget(int4_bundles, tmp_path):
+    """The weights file holds the codes, not float copies of the Linears; under --memory-budget the
+    codes are streamed as graph inputs and the logits stay the same up to float rounding (ONNX
+    Runtime prepacks constant MatMulNBits weights and computes graph-input ones unpacked). The model
+    is wide enough that its codes are not "small" weights, which always stay resident."""
+    import torch
+    import transformers as T
+
+    from conftest import COMMON
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    m = json.loads((int4_bundles["llama"] / "manifest.json").read_text())
+    assert not any(n.endswith(("q_proj.weight", "down_proj.weight")) for n in m["weights"])
+    torch.manual_seed(0)
+    d = tmp_path / "wide"
+    T.AutoModelForCausalLM.from_config(T.LlamaConfig(**{**COMMON, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 6})).save_pretrained(d)
+    plain, budget = tmp_path / "plain", tmp_path / "budget"
+    compile_model(str(d), plain, target="cpu", weight_format="int4", chunk=CHUNK, max_context=MAX_CONTEXT)
+    compile_model(str(d), budget, target="cpu", weight_format="int4", chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget="75%")
+    off = json.loads((budget / "manifest.json").read_text())["offload"]
+    assert any(n.endswith(".q4b") for n in off["streamed"]), off["streamed"]
+    p = Session(plain)
+    ref = p.prefill(IDS, all_logits=True)
+    ref_steps = np.stack([p.decode(t) for t in IDS[:4]])
+    span = float(ref.max() - ref.min())
+    s = Session(budget)
+    try:
+        assert np.abs(s.prefill(IDS, all_logits=True) - ref).max() < 1e-5 * span
+        assert np.abs(np.stack([s.decode(t) for t in IDS[:4]]) - ref_steps).max() < 3e-2 * span
+        assert s.residency is not None and s.residency.streaming.stats.peak_buffer_bytes > 0
+    finally:
+        s.close()
+
+
+def test_cli_weights_option(model_dirs, tmp_path):
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    r = CliRunner().invoke(cli, ["compile", str(model_dirs("llama")), "--target", "npu", "--weights", "int4", "-o", str(tmp_path / "x")])
+    assert r.exit_code != 0 and "--weights int4 applies to --target cpu" in r.output
+    assert not (tmp_path / "x").exists()
+    out = tmp_path / "ok"
+    r = CliRunner().invoke(cli, ["compile", str(model_dirs("llama")), "--weights", "int4", "--chunk", "8", "--max-context", "64", "-o", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert "quantize_int4" in r.output
+    r = CliRunner().invoke(cli, ["run", str(out), "--prompt", "the cat saw a", "--max-new-tokens", "4", "--no-eos", "--json"])
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.output)["token_ids"]) == 4
