@@ -23,12 +23,13 @@ LayerNorm       LayerNormalization(x, w, b, axis=-1)
 Act             Sigmoid·x (silu), Gelu(approximate=none|tanh)
 QLinear         QuantizeLinear, DequantizeLinear (x and W), MatMul, + bias as Sum
                 (ONNX Runtime fuses the pattern into MatMulIntegerToFloat)
-BlockQLinear      MatMulNBits (com.microsoft, bits=4, zero point 8) + MatMul of the
-                block sums of x (Reshape, ReduceSum; once per input) by the
-                offsets, + bias, as one Sum; one-row instances with
-                accuracy_level=4 (int8 activations per block: 4x faster at one
-                row here), chunk instances with accuracy_level=0 (float32
-                compute: 1.2x faster than int8 at 256 rows here)
+BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for the
+                codes, then Gemm(block sums of x, offsets, C = that result) (+ bias
+                as Add); the block sums (Reshape, ReduceSum) once per input and
+                graph; one-row instances with accuracy_level=4 (int8 activations
+                per block: 2-4x faster at one row here), chunk instances with
+                accuracy_level=0 (float32 compute: 1.2x faster than int8 at 256
+                rows here)
 ShadowOutliers  Clip, Sub, NonZero, Gather, MatMul, Split, Sum (decode graphs)
 Add / Mul       Add / Mul; an Add of a QLinear's result is a Sum (ONNX Runtime
                 would fuse MatMul + Add into a float Gemm that dequantizes W per call)

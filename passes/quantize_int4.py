@@ -6,25 +6,27 @@ Rewrites every ``Linear`` whose input width is a multiple of the block size
     y = Linear(x)            ->   y = BlockQLinear(x)
 
 ``BlockQLinear`` keeps activations in float32 and stores each output channel's
-weights in blocks of 32 along the input: 4-bit codes ``q`` in [0, 15], a
-float32 scale ``s`` and a float32 offset ``o`` per block, so a weight is
-``s * (q - 8) + o``. The block's minimum and maximum map to codes 0 and 15
-(``s = (max - min) / 15``, ``o = min + 8 s``): llama.cpp's Q4_1 grid, so a
-GGUF stored as Q4_1 (the bundled SmolLM2) is re-quantized onto the very codes
-it was dequantized from, up to float rounding of ``s`` and ``o``. An integer
-4-bit zero point instead (``s * (q - z)``) must put 0 in every block's range:
-measured on SmolLM2, perplexity 11.84 -> 15.87 on held-out English, against
-the same float model.
+weights in blocks of 32 along the input: b-bit codes ``q``, a float32 scale
+``s`` and a float32 offset ``o`` per block, so a weight is
+``s * (q - 2^(b-1)) + o``. The block's minimum and maximum map to the first
+and last code (``s = (max - min) / (2^b - 1)``): for b = 4 llama.cpp's Q4_1
+grid, so a GGUF stored as Q4_1 (the bundled SmolLM2's layers) is re-quantized
+onto the very codes it was dequantized from, up to float rounding of ``s`` and
+``o``. Every Linear gets b = 4 except the LM head, b = 8 (SmolLM2 stores it,
+tied to the embedding, as Q8_0). Measured on SmolLM2, held-out English,
+float32 perplexity 11.84: this format 11.85; a 4-bit head 12.56; an integer
+zero point (``s * (q - z)``, which must put 0 in every block's range) 14.55
+(docs/quantization.md).
 
 The matmul splits accordingly (``xs_b`` = the sum of x over block b)::
 
-    y = x @ (s * (q - 8))^T + xs @ O        # O: the offsets, [K/32, N]
+    y = x @ (s * (q - 2^(b-1)))^T + xs @ O        # O: the offsets, [K/32, N]
 
 The first term is ONNX Runtime's ``MatMulNBits`` with its default zero point
-8 (the ONNX backend's lowering); the second is a float matmul 1/32 the size.
-Storage: ``qweight [N, K/32, 16]`` uint8, two codes per byte, the lower input
-index in the low nibble; ``scales [N * K/32]`` float32; ``offsets [K/32, N]``
-float32. That is 5 bits per weight: SmolLM2-135M's Linears read 84 MB per
+(the ONNX backend's lowering); the second is a float matmul 1/32 the size.
+Storage: ``qweight [N, K/32, 32 b / 8]`` uint8 (at 4 bits two codes per byte,
+the lower input index in the low nibble); ``scales [N * K/32]`` float32;
+``offsets [K/32, N]`` float32. SmolLM2-135M's Linears then read 115 MB per
 decoded token instead of 538 MB of float32.
 
 A Linear whose input width is not a multiple of 32 stays float32 (with a warning).
