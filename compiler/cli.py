@@ -156,6 +156,7 @@ def _peak_rss_mb() -> float:
               help="Device profile: 8gen2, 8gen3, 8elite, host (after `llmc profile-host`) or a profile .json.")
 @click.option("--prompt-len", type=click.IntRange(1), default=1024, show_default=True, help="Prompt length to predict prefill for.")
 @click.option("--target", type=click.Choice(["npu", "cpu"]), default="npu", show_default=True, help="Program shape to plan: W8A8 with shadow outliers (npu) or float32 (cpu).")
+@click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True, help="[cpu] Plan the int4 weight-only program (as compile --weights int4).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C.")
 @click.option("--memory-budget", default=None, help="Plan weight offloading under this budget (e.g. 2GB, 50%).")
 @click.option("--prefetch-depth", type=click.IntRange(0), default=2, show_default=True, help="Steps of streamed weights read ahead.")
@@ -163,7 +164,7 @@ def _peak_rss_mb() -> float:
               help="Fraction of Linear inputs that keep a shadow path (llm.npu prunes 85%: 0.15).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_guard
-def plan(model, profile, prompt_len, target, chunk, memory_budget, prefetch_depth, shadow_keep, as_json):
+def plan(model, profile, prompt_len, target, weights, chunk, memory_budget, prefetch_depth, shadow_keep, as_json):
     """Predict MODEL's prefill and decode speed and memory on a device, from its config alone.
 
     MODEL is a shipped config name (qwen1.5-1.8b, gemma-2b, phi-2, llama-2-7b, mistral-7b),
@@ -174,13 +175,13 @@ def plan(model, profile, prompt_len, target, chunk, memory_budget, prefetch_dept
     from llmc.units import format_size
 
     r = plan_model(model, profile=profile, prompt_len=prompt_len, target=target, chunk=chunk, memory_budget=memory_budget,
-                   prefetch_depth=prefetch_depth, shadow_keep=shadow_keep)
+                   prefetch_depth=prefetch_depth, shadow_keep=shadow_keep, weight_format=weights)
     d = r.as_dict()
     if as_json:
         click.echo(json.dumps(d, indent=1, sort_keys=True))
         return
     pre, dec, mem = d["prefill"], d["decode"], d["memory"]
-    click.echo(f"model      {model} ({r.description}); {target} program, chunk {chunk}")
+    click.echo(f"model      {model} ({r.description}); {target}{' int4' if weights == 'int4' else ''} program, chunk {chunk}")
     click.echo(f"profile    {profile}")
     click.echo(f"prefill    {prompt_len} tokens: {pre['latency_s'] * 1e3:.0f} ms, {pre['tok_s']:.0f} tok/s ({pre['policy']}; "
                f"in-order {pre['in_order_s'] * 1e3:.0f} ms)")

@@ -143,7 +143,7 @@ class CostModel:
             u = self.outlier_channels(x.name, f, n)
             corr = max(2.0 * n * u * nout / p["cpu.fp32_flops_per_s"], 4.0 * u * nout / bw)
             return 8.0 * n * f / bw + corr + 8.0 * rows * nout / bw
-        if op == "Embedding":
+        if op in ("Embedding", "BlockEmbedding"):
             return 8.0 * rows * _features(node.outputs[0].shape) / bw
         if op == "RotaryTable":
             return 4.0 * rows * sum(_features(v.shape) for v in node.outputs) / bw

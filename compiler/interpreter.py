@@ -159,6 +159,8 @@ class Interpreter:
             return [x[0][:, a["start"] : a["end"]]]
         if op == "Embedding":
             return [kernels.embedding(x[0], self.weight(n, "table"), a["scale"])]
+        if op == "BlockEmbedding":
+            return [kernels.block_embedding(x[0], self.weight(n, "qweight"), self.weight(n, "scales"), self.weight(n, "offsets"), a["bits"], a["scale"])]
         if op == "RotaryTable":
             return list(kernels.rotary_table(x[0], self.weight(n, "inv_freq"), a["scaling"]))
         if op == "Attention":

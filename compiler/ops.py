@@ -157,6 +157,17 @@ def _embedding(node: "Node"):
     return [((ids.shape[0], node.weights["table"].shape[1]), "float32")]
 
 
+def _block_embedding(node: "Node"):
+    (ids,) = node.inputs
+    v, nb, width = node.weights["qweight"].shape
+    block, bits = node.attrs["block_size"], node.attrs["bits"]
+    if bits not in (4, 8) or width * 8 != block * bits:
+        raise ValueError(f"{width} bytes per block do not hold {block} {bits}-bit codes (bits must be 4 or 8)")
+    if node.weights["scales"].shape != (v * nb,) or node.weights["offsets"].shape != (nb, v):
+        raise ValueError("scales must be [V * blocks] and offsets [blocks, V]")
+    return [((ids.shape[0], nb * block), "float32")]
+
+
 def _rotary(node: "Node"):
     (pos,) = node.inputs
     dim = 2 * node.weights["inv_freq"].shape[0]
@@ -185,6 +196,8 @@ OPS: dict[str, OpDef] = {
     d.name: d
     for d in [
         OpDef("Embedding", "dynamic", (1, 1), ("scale",), ("table",), (), "gather token embeddings (CPU, from the shared table) times a constant", _embedding),
+        OpDef("BlockEmbedding", "dynamic", (1, 1), ("scale", "bits", "block_size"), ("qweight", "scales", "offsets"), (),
+              "gather token rows of block-quantized weights (a tied LM head's BlockQLinear codes), dequantized, times a constant", _block_embedding),
         OpDef("RotaryTable", "dynamic", (1, 1), ("scaling",), ("inv_freq",), (), "cos/sin rotary tables for the chunk's positions", _rotary),
         OpDef(
             "Attention",

@@ -30,8 +30,11 @@ the lower input index in the low nibble); ``scales [N * K/32]`` float32;
 decoded token instead of 538 MB of float32.
 
 A Linear whose input width is not a multiple of 32 stays float32 (with a warning).
-The embedding table stays float32 even when the LM head shares it: a token's
-row is gathered from it, never multiplied.
+An embedding tied to the LM head gathers its rows from the head's 8-bit codes
+(``BlockEmbedding``), so no float copy of the table is in the bundle (SmolLM2:
+113 MB less). Under ``--memory-budget`` it stays float32: the runtime reads
+budgeted tables by row from the weight file, and that reader takes float
+tables. An untied embedding stays float32.
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class QuantizeInt4(Pass):
         changed = False
         kept = []
         head = logits_linear(graph)
+        head_codes = None  # (float weight name, its BlockQLinear weights)
         for node in list(graph.nodes):
             if node.op != "Linear":
                 continue
@@ -155,10 +159,19 @@ class QuantizeInt4(Pass):
             }
             if "bias" in node.weights:
                 weights["bias"] = node.weights["bias"]
+            if node is head:
+                head_codes = (wref.name, {k: weights[k] for k in ("qweight", "scales", "offsets")})
             q = graph.add_node("BlockQLinear", [node.inputs[0]], attrs={"block_size": BLOCK, "bits": bits}, weights=weights, name=f"{node.name}.q4", before=node)
             graph.replace_all_uses(node.outputs[0], q.outputs[0])
             graph.remove_node(node)
             changed = True
+        if head_codes is not None and ctx.options.memory_budget is None:
+            for emb in graph.find("Embedding"):
+                if emb.weights["table"].name == head_codes[0]:  # tied: gather from the head's codes
+                    be = graph.add_node("BlockEmbedding", [emb.inputs[0]], attrs={"scale": emb.attrs["scale"], "bits": HEAD_BITS, "block_size": BLOCK},
+                                        weights=dict(head_codes[1]), name=f"{emb.name}.q", before=emb)
+                    graph.replace_all_uses(emb.outputs[0], be.outputs[0])
+                    graph.remove_node(emb)
         if kept:
             more = f" and {len(kept) - 5} more" if len(kept) > 5 else ""
             log.warning("quantize_int4: %d Linear(s) stay float32, their input width is not a multiple of %d: %s%s", len(kept), BLOCK, ", ".join(kept[:5]), more)

@@ -31,6 +31,27 @@ def embedding(ids: np.ndarray, table: np.ndarray, scale: float) -> np.ndarray:
     return out
 
 
+def block_embedding(ids: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int, scale: float) -> np.ndarray:
+    """Rows ``ids`` of block-quantized weights (``llmc.passes.quantize_int4``'s format: codes
+    ``[V, blocks, block * bits / 8]``, scales ``[V * blocks]``, offsets ``[blocks, V]``),
+    dequantized as ``s * (q - 2^(bits-1)) + o``, times ``scale``."""
+    v, nb, width = codes.shape
+    c = np.take(codes, ids, axis=0)
+    if bits == 4:
+        q = np.empty((len(ids), nb, 2 * width), np.float32)
+        q[..., 0::2] = c & 15
+        q[..., 1::2] = c >> 4
+    else:
+        q = c.astype(np.float32)
+    q -= 1 << (bits - 1)
+    q *= np.take(scales.reshape(v, nb), ids, axis=0)[..., None]
+    q += np.take(offsets, ids, axis=1).T[..., None]
+    out = q.reshape(len(ids), -1)
+    if scale != 1.0:
+        out *= np.float32(scale)
+    return out
+
+
 def rotary_table(positions: np.ndarray, inv_freq: np.ndarray, scaling: float) -> tuple[np.ndarray, np.ndarray]:
     freqs = positions.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
     emb = np.concatenate([freqs, freqs], axis=-1)

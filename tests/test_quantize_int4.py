@@ -246,3 +246,60 @@ def test_cli_weights_option(model_dirs, tmp_path):
     r = CliRunner().invoke(cli, ["run", str(out), "--prompt", "the cat saw a", "--max-new-tokens", "4", "--no-eos", "--json"])
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.output)["token_ids"]) == 4
+
+
+def test_plan_predicts_the_int4_program_from_a_config(tmp_path):
+    """`llmc plan --target cpu --weights int4`: no weight is read (meta tensors); the int4 program reads
+    fewer bytes per token than float32, so the cost model predicts faster decode."""
+    from conftest import SMALL
+    from llmc.errors import CompileError
+    from llmc.plan import plan_model
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMALL))
+    kw = dict(profile="8gen3", prompt_len=512, target="cpu", chunk=256)
+    f32, q4 = plan_model(str(cfg), **kw), plan_model(str(cfg), weight_format="int4", **kw)
+    assert "quantize_int4" in q4.pipeline and "quantize_int4" not in f32.pipeline
+    assert q4.weight_bytes < 0.5 * f32.weight_bytes
+    assert q4.as_dict()["decode"]["tok_s"] > 2 * f32.as_dict()["decode"]["tok_s"]
+    with pytest.raises(CompileError, match="does not apply to --target npu"):
+        plan_model(str(cfg), profile="8gen3", prompt_len=512, target="npu", weight_format="int4")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_block_embedding_kernel_gathers_dequantized_rows(bits):
+    from llmc.runtime import kernels
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((50, 3 * BLOCK)).astype(np.float32)
+    codes, scales, offsets = quantize_blocks(w, bits)
+    ids = np.array([7, 0, 49, 7, 13])
+    got = kernels.block_embedding(ids, codes, scales, offsets, bits, 2.0)
+    assert np.allclose(got, 2.0 * dequantize_blocks(codes, scales, offsets, bits)[ids], rtol=1e-6, atol=1e-6)
+
+
+def test_tied_embedding_reads_the_head_codes(model_dirs, tmp_path):
+    """A tied embedding gathers from the LM head's 8-bit codes: the float table leaves the bundle and the
+    logits match the interpreter on the quantized IR; under a memory budget it stays a float table."""
+    from llmc.compile import compile_model
+    from llmc.interpreter import Interpreter
+    from llmc.pass_manager import CompileOptions, PassContext, parse_pipeline, run_pipeline
+    from llmc.passes import REGISTRY
+    from llmc.runtime import Session
+
+    d = model_dirs("llama_tied_mha")
+    g = _quantized(_lift(d))
+    (emb,) = g.find("BlockEmbedding")
+    head = g.outputs[0].producer
+    assert not g.find("Embedding") and emb.weights["qweight"] is head.weights["qweight"] and emb.attrs["bits"] == 8
+    ref = Interpreter(g).run(IDS)
+    out = tmp_path / "tied"
+    compile_model(str(d), out, target="cpu", weight_format="int4", chunk=CHUNK, max_context=MAX_CONTEXT)
+    m = json.loads((out / "manifest.json").read_text())
+    assert not [n for n, w in m["weights"].items() if w["dtype"] == "float32" and len(w["shape"]) == 2 and not n.endswith(".offset")]
+    assert m["program"][0]["op"] == "BlockEmbedding"
+    got = Session(out).prefill(IDS, all_logits=True)
+    assert np.abs(got - ref).max() < 1e-4 * float(ref.max() - ref.min())
+    budgeted = _lift(d)
+    run_pipeline(budgeted, parse_pipeline("dce,quantize_int4", REGISTRY), PassContext(CompileOptions(chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget=10**6)))
+    assert budgeted.find("Embedding") and not budgeted.find("BlockEmbedding")
