@@ -27,9 +27,11 @@ BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for
                 codes, then Gemm(block sums of x, offsets, C = that result) (+ bias
                 as Add); the block sums (Reshape, ReduceSum) once per input and
                 graph; one-row instances with accuracy_level=4 (int8 activations
-                per block: 2-4x faster at one row here), chunk instances with
-                accuracy_level=0 (float32 compute: 1.2x faster than int8 at 256
-                rows here)
+                per block: 2-4x faster at one row here), 4-bit chunk instances
+                with accuracy_level=0 (float32 compute: 1.2x faster than int8 at
+                256 rows here); 8-bit always 4 (ONNX Runtime 1.32 has no packed
+                float32 kernel for 8 bits: it would dequantize the whole matrix
+                per call)
 ShadowOutliers  Clip, Sub, NonZero, Gather, MatMul, Split, Sum (decode graphs)
 Add / Mul       Add / Mul; an Add of a QLinear's result is a Sum (ONNX Runtime
                 would fuse MatMul + Add into a float Gemm that dequantizes W per call)
@@ -152,7 +154,7 @@ class _Builder:
             block, bits = a["block_size"], a["bits"]
             ins = x + [self.weight(qw), self.weight(n.weights["scales"])]
             self.nodes.append(self.helper.make_node("MatMulNBits", ins, [f"{n.name}.codes"], name=n.name, domain=MS_DOMAIN, K=nb * block, N=out_f, bits=bits,
-                                                    block_size=block, accuracy_level=4 if self.rows == 1 else 0))
+                                                    block_size=block, accuracy_level=4 if self.rows == 1 or bits == 8 else 0))
             self.domains.add(MS_DOMAIN)
             # one Gemm adds the offsets' term to the codes' product: C = the MatMulNBits result
             self.add("Gemm", [self.block_sums(x[0], nb, block), self.weight(n.weights["offsets"]), f"{n.name}.codes"],

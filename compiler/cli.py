@@ -498,13 +498,13 @@ def _qnn_summary(q):
 @cli.command()
 def passes():
     """List the available passes and the default pipeline of each target."""
-    from llmc.passes import ALL_PASSES, DEFAULT_PIPELINES
+    from llmc.passes import ALL_PASSES, DEFAULT_PIPELINES, PIPELINE_USES
 
     for p in ALL_PASSES:
         click.echo(f"{p.name:<24} {p.summary}")
     click.echo()
-    for target, pipe in DEFAULT_PIPELINES.items():
-        click.echo(f"default pipeline for --target {target}: {pipe}")
+    for key, pipe in DEFAULT_PIPELINES.items():
+        click.echo(f"default pipeline of `{PIPELINE_USES[key]}`: {pipe}")
 
 
 @cli.command()

@@ -164,6 +164,9 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
         raise CompileError(f"--weights {weight_format} does not apply to --target {target}", hint="--weights int4 plans the cpu target's int4 program")
     if weight_format == "int4" and pipeline is None:
         pipeline = DEFAULT_PIPELINES["plan-cpu-int4"]
+    if weight_format == "int4" and "quantize_int4" not in pipeline.split(","):
+        raise CompileError("--weights int4 with a pipeline that has no quantize_int4 pass would plan the float32 program",
+                           hint="add quantize_int4 to the pipeline, or drop --weights int4")
     max_context = max_context or chunk * math.ceil(prompt_len / chunk)
     if prompt_len > max_context:
         raise CompileError(f"--prompt-len {prompt_len} exceeds --max-context {max_context}")

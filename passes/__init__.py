@@ -36,3 +36,15 @@ DEFAULT_PIPELINES = {
     # --target npu --soc S: every NPU tensor gets a QDQ range for the HTP
     "npu-qnn": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,calibrate_ranges,chunk_static_graphs,fuse_cpu_decode,place,schedule,plan_offload",
 }
+
+# What runs each of them (`llmc passes` prints it).
+PIPELINE_USES = {
+    "cpu": "llmc compile --target cpu",
+    "cpu-int4": "llmc compile --target cpu --weights int4",
+    "npu": "llmc compile --target npu",
+    "mlir": "llmc compile --target mlir",
+    "plan-npu": "llmc plan --target npu",
+    "plan-cpu": "llmc plan --target cpu",
+    "plan-cpu-int4": "llmc plan --target cpu --weights int4",
+    "npu-qnn": "llmc compile --target npu --soc SOC",
+}

@@ -62,7 +62,11 @@ class Place(Pass):
             dec = {p: cm.step_seconds(step, 1, 1, keys, p) for p in procs if cm.can_run(step, p)}
             costs[step.name] = StepCost(step.name, pre, dec)
             if forced != "auto" and step.kind == "graph":
-                prefill[step.name] = decode[step.name] = forced
+                where = forced
+                if forced == "npu" and cm.profile.has_npu and not cm.can_run(step, "npu"):  # a CPU-only op (BlockQLinear)
+                    log.warning("--placement npu: %s stays on the CPU (it has ops with no NPU lowering)", step.name)
+                    where = "cpu"
+                prefill[step.name] = decode[step.name] = where
             else:
                 prefill[step.name] = _cheapest(pre, sync)
                 decode[step.name] = _cheapest(dec, sync)

@@ -14,7 +14,7 @@ grid, so a GGUF stored as Q4_1 (the bundled SmolLM2's layers) is re-quantized
 onto the very codes it was dequantized from, up to float rounding of ``s`` and
 ``o``. Every Linear gets b = 4 except the LM head, b = 8 (SmolLM2 stores it,
 tied to the embedding, as Q8_0). Measured on SmolLM2, held-out English,
-float32 perplexity 11.84: this format 11.85; a 4-bit head 12.56; an integer
+float32 perplexity 11.84: this format 11.89; a 4-bit head 12.56; an integer
 zero point (``s * (q - z)``, which must put 0 in every block's range) 14.55
 (docs/quantization.md).
 
@@ -32,9 +32,10 @@ decoded token instead of 538 MB of float32.
 A Linear whose input width is not a multiple of 32 stays float32 (with a warning).
 An embedding tied to the LM head gathers its rows from the head's 8-bit codes
 (``BlockEmbedding``), so no float copy of the table is in the bundle (SmolLM2:
-113 MB less). Under ``--memory-budget`` it stays float32: the runtime reads
-budgeted tables by row from the weight file, and that reader takes float
-tables. An untied embedding stays float32.
+113 MB less). An untied embedding stays float32.
+
+The pass refuses targets other than ``cpu`` and ``--memory-budget``
+(:func:`check_options`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import logging
 
 import numpy as np
 
+from llmc.errors import CompileError
 from llmc.ir import Graph, WeightStore
 from llmc.pass_manager import Pass, PassContext, PassResult
 
@@ -73,9 +75,11 @@ def quantize_blocks(w: np.ndarray, bits: int = 4, block: int = BLOCK) -> tuple[n
         b = np.asarray(w[i : i + _ROWS_PER_STEP], np.float32).reshape(-1, nb, block)
         lo = b.min(axis=2)
         s = (b.max(axis=2) - lo) / np.float32(top)
-        s[s == 0] = 1.0  # a constant block: every code is 0, the offset holds the value
+        # A constant block: scale 0, every code 0, the offset holds the value. (A nonzero scale
+        # there would make MatMulNBits' int8-activation rounding of (q - 2^(bits-1)) x show up
+        # uncancelled by the offset's exact term: an all-zero vocabulary row scored up to 18.)
         q = b - lo[..., None]
-        q /= s[..., None]
+        q /= np.where(s == 0, np.float32(1), s)[..., None]
         np.rint(q, out=q)
         np.clip(q, 0, top, out=q)
         q8 = q.astype(np.uint8)
@@ -100,15 +104,18 @@ def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray
     return q.reshape(n, -1)
 
 
+_PASS_THROUGH = ("Scale", "Act", "Slice", "SelectRows")  # weightless one-input ops between the head and the logits
+
+
 def logits_linear(graph: Graph):
-    """The Linear that produces the logits (the LM head), following single-input ops back
-    from the graph's output; None if there is none."""
+    """The Linear that produces the logits (the LM head), following weightless one-input ops
+    (a logit scale, a soft-cap's activation) back from the graph's output; None if there is none."""
     v = graph.outputs[0]
     while v.producer is not None:
         node = v.producer
         if node.op == "Linear":
             return node
-        if len(node.inputs) != 1:
+        if node.op not in _PASS_THROUGH or len(node.inputs) != 1:
             return None
         v = node.inputs[0]
     return None
@@ -120,13 +127,29 @@ def _derived(store: WeightStore, name: str, shape, dtype, fn):
     return store.add(name, shape, dtype, fn)
 
 
+def check_options(options) -> None:
+    """int4 bundles are for the CPU target, without a memory budget: a streamed MatMulNBits weight
+    is a graph input, which ONNX Runtime does not prepack; it then dequantizes the whole matrix
+    into a float32 buffer on every call (measured 20-80x slower, and for SmolLM2's head a 113 MB
+    buffer per token), which defeats the budget."""
+    if options.target != "cpu":
+        raise CompileError(f"quantize_int4 makes CPU-only weight-only int4 graphs; it does not apply to --target {options.target}",
+                           hint="use --target cpu --weights int4, or drop quantize_int4 from --pipeline")
+    if options.memory_budget is not None:
+        raise CompileError("--weights int4 cannot be combined with --memory-budget in this version: ONNX Runtime dequantizes "
+                           "streamed int4 weights to float32 on every call",
+                           hint="drop --memory-budget (an int4 bundle is already under a quarter of float32's size), "
+                                "or use --target npu with --memory-budget")
+
+
 class QuantizeInt4(Pass):
     name = "quantize_int4"
     summary = "weight-only int4 Linears (blocks of 32 with a float scale and offset, llama.cpp's Q4_1 grid; float activations) for the CPU"
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        check_options(ctx.options)
         store = graph.weights
-        cache: dict[str, tuple[tuple[np.ndarray, np.ndarray, np.ndarray], set[int]]] = {}
+        cache: dict[tuple[str, int], tuple[tuple[np.ndarray, np.ndarray, np.ndarray], set[int]]] = {}
         changed = False
         kept = []
         head = logits_linear(graph)
@@ -144,12 +167,13 @@ class QuantizeInt4(Pass):
 
             def part(i, name=wref.name, bits=bits):
                 # one quantization serves the codes, the scales and the offsets; dropped once all three are read
-                if name not in cache:
-                    cache[name] = (quantize_blocks(store.load(name), bits), set())
-                arrays, served = cache[name]
+                key = (name, bits)
+                if key not in cache:
+                    cache[key] = (quantize_blocks(store.load(name), bits), set())
+                arrays, served = cache[key]
                 served.add(i)
                 if len(served) == 3:
-                    del cache[name]
+                    del cache[key]
                 return arrays[i]
 
             weights = {
@@ -165,7 +189,7 @@ class QuantizeInt4(Pass):
             graph.replace_all_uses(node.outputs[0], q.outputs[0])
             graph.remove_node(node)
             changed = True
-        if head_codes is not None and ctx.options.memory_budget is None:
+        if head_codes is not None:
             for emb in graph.find("Embedding"):
                 if emb.weights["table"].name == head_codes[0]:  # tied: gather from the head's codes
                     be = graph.add_node("BlockEmbedding", [emb.inputs[0]], attrs={"scale": emb.attrs["scale"], "bits": HEAD_BITS, "block_size": BLOCK},

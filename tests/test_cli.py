@@ -61,7 +61,7 @@ def test_sampling_flags(bundles):
 
 def test_passes_and_ops_listing():
     r = invoke("passes")
-    assert r.exit_code == 0 and "chunk_static_graphs" in r.output and "default pipeline for --target cpu" in r.output
+    assert r.exit_code == 0 and "chunk_static_graphs" in r.output and "default pipeline of `llmc compile --target cpu`" in r.output
     r = invoke("ops")
     assert r.exit_code == 0 and "Attention" in r.output and "dynamic" in r.output
 

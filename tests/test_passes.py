@@ -30,6 +30,9 @@ def test_pipeline_roundtrip():
     for text in DEFAULT_PIPELINES.values():
         assert format_pipeline(parse_pipeline(text, REGISTRY)) == text
     assert len({p.name for p in ALL_PASSES}) == len(ALL_PASSES)
+    from llmc.passes import PIPELINE_USES
+
+    assert set(PIPELINE_USES) == set(DEFAULT_PIPELINES)
     assert all(p.summary for p in ALL_PASSES)
 
 

@@ -126,9 +126,9 @@ def int4_bundles(tmp_path_factory, model_dirs):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi"])
 def test_bundle_computes_what_the_quantized_ir_says(int4_bundles, model_dirs, family):
-    """Prefill (chunk graphs, float32 compute) matches the interpreter on the quantized IR to float
-    rounding; decode (one-row graphs, int8 activations per block) to within 3% of the logits' range
-    (1.2-1.6% measured on these random models).
+    """Prefill (chunk graphs: float32 compute, except the 8-bit head's int8 activations) matches the
+    interpreter on the quantized IR to within 1% of the logits' range (0.3% measured); decode (one-row
+    graphs, int8 activations per block everywhere) to within 3% (0.6-1.6% measured).
     Qwen2 and Phi have biases; Phi a parallel block and partial rotary."""
     from llmc.interpreter import Interpreter
     from llmc.runtime import Session
@@ -137,7 +137,7 @@ def test_bundle_computes_what_the_quantized_ir_says(int4_bundles, model_dirs, fa
     span = float(ref.max() - ref.min())
     s = Session(int4_bundles[family])
     got = s.prefill(IDS, all_logits=True)
-    assert np.abs(got - ref).max() < 1e-4 * span
+    assert np.abs(got - ref).max() < 1e-2 * span
     s.reset()
     s.prefill(IDS[:12])
     steps = np.stack([s.decode(t) for t in IDS[12:]])
@@ -160,7 +160,8 @@ def test_bundle_stays_close_to_the_float_model(int4_bundles, model_dirs):
 
 
 def test_lowering_is_matmulnbits_with_accuracy_by_rows(int4_bundles):
-    """One-row graphs compute with int8 activations (accuracy_level 4), chunk graphs in float32 (0);
+    """One-row graphs compute with int8 activations (accuracy_level 4), 4-bit chunk graphs in float32 (0),
+    the 8-bit head always with int8 activations (ONNX Runtime has no packed float kernel for 8 bits);
     no float copy of a quantized weight is in any graph, and ONNX Runtime keeps MatMulNBits."""
     import onnx
     import onnxruntime as ort
@@ -177,7 +178,7 @@ def test_lowering_is_matmulnbits_with_accuracy_by_rows(int4_bundles):
             mm = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
             for n in mm:
                 attrs = {a.name: a.i for a in n.attribute}
-                assert attrs["accuracy_level"] == (4 if int(rows) == 1 else 0) and attrs["bits"] in (4, 8)
+                assert attrs["accuracy_level"] == (4 if int(rows) == 1 or attrs["bits"] == 8 else 0) and attrs["bits"] in (4, 8)
             seen[int(rows)] += len(mm)
     assert seen[1] == seen[CHUNK] == 2 * 7 + 1
     # after ONNX Runtime's optimisations the MatMulNBits nodes are still there (no float fallback)
@@ -196,39 +197,58 @@ def test_lowering_is_matmulnbits_with_accuracy_by_rows(int4_bundles):
     assert ops.count("MatMulNBits") == 7 and "DequantizeLinear" not in ops
 
 
-def test_int4_weights_replace_the_float_ones_and_stream_under_a_budget(int4_bundles, tmp_path):
-    """The weights file holds the codes, not float copies of the Linears; under --memory-budget the
-    codes are streamed as graph inputs and the logits stay the same up to float rounding (ONNX
-    Runtime prepacks constant MatMulNBits weights and computes graph-input ones unpacked). The model
-    is wide enough that its codes are not "small" weights, which always stay resident."""
+def test_constant_blocks_stay_exact_at_one_row(model_dirs, tmp_path):
+    """A constant block gets scale 0: with a nonzero scale, MatMulNBits' int8 rounding of the
+    activations would leave (q - 2^(bits-1)) x uncancelled by the offset term, and all-zero head rows
+    (padded vocabulary) scored far from 0 at decode."""
     import torch
     import transformers as T
 
-    from conftest import COMMON
     from llmc.compile import compile_model
     from llmc.runtime import Session
 
-    m = json.loads((int4_bundles["llama"] / "manifest.json").read_text())
-    assert not any(n.endswith(("q_proj.weight", "down_proj.weight")) for n in m["weights"])
-    torch.manual_seed(0)
-    d = tmp_path / "wide"
-    T.AutoModelForCausalLM.from_config(T.LlamaConfig(**{**COMMON, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 6})).save_pretrained(d)
-    plain, budget = tmp_path / "plain", tmp_path / "budget"
-    compile_model(str(d), plain, target="cpu", weight_format="int4", chunk=CHUNK, max_context=MAX_CONTEXT)
-    compile_model(str(d), budget, target="cpu", weight_format="int4", chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget="75%")
-    off = json.loads((budget / "manifest.json").read_text())["offload"]
-    assert any(n.endswith(".q4b") for n in off["streamed"]), off["streamed"]
-    p = Session(plain)
-    ref = p.prefill(IDS, all_logits=True)
-    ref_steps = np.stack([p.decode(t) for t in IDS[:4]])
-    span = float(ref.max() - ref.min())
-    s = Session(budget)
-    try:
-        assert np.abs(s.prefill(IDS, all_logits=True) - ref).max() < 1e-5 * span
-        assert np.abs(np.stack([s.decode(t) for t in IDS[:4]]) - ref_steps).max() < 3e-2 * span
-        assert s.residency is not None and s.residency.streaming.stats.peak_buffer_bytes > 0
-    finally:
-        s.close()
+    m = T.AutoModelForCausalLM.from_pretrained(model_dirs("llama"), dtype=torch.float32)
+    with torch.no_grad():
+        m.lm_head.weight[100:110] = 0.0
+        m.model.layers[0].mlp.down_proj.weight[:, :BLOCK] = 0.25  # a constant block in every output row
+    d = tmp_path / "padded"
+    m.save_pretrained(d)
+    out = tmp_path / "b"
+    compile_model(str(d), out, target="cpu", weight_format="int4", chunk=CHUNK, max_context=MAX_CONTEXT)
+    s = Session(out)
+    s.prefill(IDS[:12])
+    steps = np.stack([s.decode(t) for t in IDS[12:]])
+    assert np.all(steps[:, 100:110] == 0.0), np.abs(steps[:, 100:110]).max()
+
+
+def test_int4_is_refused_where_it_cannot_work(model_dirs, tmp_path):
+    """--memory-budget (streamed MatMulNBits weights are dequantized to float32 on every call), a
+    --pipeline without quantize_int4, and quantize_int4 on the npu target are errors before any work."""
+    from llmc.compile import compile_model
+    from llmc.errors import CompileError
+
+    src = str(model_dirs("llama"))
+    kw = dict(chunk=CHUNK, max_context=MAX_CONTEXT)
+    with pytest.raises(CompileError, match="--memory-budget"):
+        compile_model(src, tmp_path / "a", target="cpu", weight_format="int4", memory_budget="50%", **kw)
+    with pytest.raises(CompileError, match="no quantize_int4 pass"):
+        compile_model(src, tmp_path / "b", target="cpu", weight_format="int4", pipeline="dce,select_logit_rows,chunk_static_graphs,place,schedule,plan_offload", **kw)
+    with pytest.raises(CompileError, match="does not apply to --target npu"):
+        compile_model(src, tmp_path / "c", target="npu", pipeline="dce,select_logit_rows,quantize_int4,chunk_static_graphs,place,schedule,plan_offload", **kw)
+    assert not any(tmp_path.iterdir())
+
+
+def test_forced_npu_placement_keeps_int4_graphs_on_the_cpu(model_dirs, tmp_path, caplog):
+    import logging
+
+    from llmc.compile import compile_model
+
+    out = tmp_path / "p"
+    with caplog.at_level(logging.WARNING, logger="llmc.passes.place"):
+        compile_model(str(model_dirs("llama")), out, target="cpu", weight_format="int4", placement="npu", profile="8gen3", chunk=CHUNK, max_context=MAX_CONTEXT)
+    placement = json.loads((out / "manifest.json").read_text())["placement"]
+    assert set(placement["prefill"].values()) == set(placement["decode"].values()) == {"cpu"}
+    assert "stays on the CPU" in caplog.text
 
 
 def test_cli_weights_option(model_dirs, tmp_path):
@@ -280,11 +300,9 @@ def test_block_embedding_kernel_gathers_dequantized_rows(bits):
 
 def test_tied_embedding_reads_the_head_codes(model_dirs, tmp_path):
     """A tied embedding gathers from the LM head's 8-bit codes: the float table leaves the bundle and the
-    logits match the interpreter on the quantized IR; under a memory budget it stays a float table."""
+    logits match the interpreter on the quantized IR."""
     from llmc.compile import compile_model
     from llmc.interpreter import Interpreter
-    from llmc.pass_manager import CompileOptions, PassContext, parse_pipeline, run_pipeline
-    from llmc.passes import REGISTRY
     from llmc.runtime import Session
 
     d = model_dirs("llama_tied_mha")
@@ -299,7 +317,4 @@ def test_tied_embedding_reads_the_head_codes(model_dirs, tmp_path):
     assert not [n for n, w in m["weights"].items() if w["dtype"] == "float32" and len(w["shape"]) == 2 and not n.endswith(".offset")]
     assert m["program"][0]["op"] == "BlockEmbedding"
     got = Session(out).prefill(IDS, all_logits=True)
-    assert np.abs(got - ref).max() < 1e-4 * float(ref.max() - ref.min())
-    budgeted = _lift(d)
-    run_pipeline(budgeted, parse_pipeline("dce,quantize_int4", REGISTRY), PassContext(CompileOptions(chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget=10**6)))
-    assert budgeted.find("Embedding") and not budgeted.find("BlockEmbedding")
+    assert np.abs(got - ref).max() < 1e-2 * float(ref.max() - ref.min())
