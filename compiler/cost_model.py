@@ -39,7 +39,8 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   ``cpu.op_launch_s`` (default ``cpu.launch_s``); a hand-off between CPU and NPU
   adds ``sync_s`` (the ``place`` and ``schedule`` passes charge it).
 * A graph on the CPU also pays ``cpu.node_s`` (default 0) per kernel it runs:
-  QLinear 2 (quantize, integer matmul), ShadowOutliers lowered into a graph 8
+  QLinear 2 (quantize, integer matmul), BlockQLinear 3 (MatMulNBits, the
+  offsets' Gemm, the block sums), ShadowOutliers lowered into a graph 8
   plus one per output and a split, everything else 1. At one row these fixed
   costs are a large part of a decode step.
 * Decode follows the program the runtime runs: the ``fuse_cpu_decode`` program
@@ -269,6 +270,8 @@ def _kernels(node: Node) -> int:
     """ONNX Runtime kernels the ONNX backend's lowering of ``node`` runs (after ORT's fusions)."""
     if node.op == "QLinear":
         return 2
+    if node.op == "BlockQLinear":
+        return 3  # MatMulNBits, the offsets' Gemm, and (about once per Linear) the block sums' Reshape + ReduceSum
     if node.op == "ShadowOutliers":
         splits = len(node.attrs["splits"])
         return 8 + splits + (1 if splits > 1 else 0)

@@ -185,7 +185,7 @@ class QuantizeInt4(Pass):
                 weights["bias"] = node.weights["bias"]
             if node is head:
                 head_codes = (wref.name, {k: weights[k] for k in ("qweight", "scales", "offsets")})
-            q = graph.add_node("BlockQLinear", [node.inputs[0]], attrs={"block_size": BLOCK, "bits": bits}, weights=weights, name=f"{node.name}.q4", before=node)
+            q = graph.add_node("BlockQLinear", [node.inputs[0]], attrs={"block_size": BLOCK, "bits": bits}, weights=weights, name=f"{node.name}.q{bits}b", before=node)
             graph.replace_all_uses(node.outputs[0], q.outputs[0])
             graph.remove_node(node)
             changed = True
