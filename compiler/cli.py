@@ -445,7 +445,7 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
         if not as_json:
             click.echo(f"greedy agreement with {reference} over {a.prompts} prompts x {new_tokens} tokens: "
                        f"teacher-forced {a.teacher_forced:.1%}, free-running {a.free_running:.1%}")
-    if hasattr(sess, "outlier_counts") and sess.outlier_counts:
+    if hasattr(sess, "outlier_counts") and sum(sess.outlier_counts.values()):  # counted by the chunk program's corrections only
         result["shadow_outliers_seen"] = int(sum(sess.outlier_counts.values()))
     if as_json:
         click.echo(json.dumps(result))

@@ -8,7 +8,8 @@ tokens; the last one is padded, and padded rows never reach the KV cache or the
 logits, so results are exact for any prompt length up to ``max_context``.
 When the CPU runs decode, a bundle's ``decode_program`` (``fuse_cpu_decode``:
 one graph between two attentions, the shadow corrections inside it) replaces
-the program's one-row instances.
+the program's one-row instances; with the CPU provider it also runs prefill,
+chunk by chunk, at the chunk's rows (bundles whose CPU program has them).
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ class Session:
                 pos[st["attrs"]["hot_channels"]] = np.arange(len(st["attrs"]["hot_channels"]))
                 self._hot_pos[st["name"]] = pos
         # Outlier entries seen by each shadow path since the session was created.
+        # outlier entries the chunk program's Python corrections saw; the CPU program corrects inside its graphs, uncounted
         self.outlier_counts: dict[str, int] = {name: 0 for name in self._hot_pos}
         # A shadow step corrects the NPU results in place when no other step reads them.
         readers: dict[str, int] = {}
@@ -182,6 +184,10 @@ class Session:
             tail = self._downstream_of_select(self._decode_program)
             self._reusable |= {st["name"] for i, st in enumerate(self._decode_program) if st["kind"] == "graph" and i not in tail}
         self._decode_graphs = {st["name"] for st in m.get("decode_program", []) if st["kind"] == "graph"}
+        # Prefill on the CPU provider runs the same program at chunk rows (bundles since it has those instances);
+        # the QNN provider prefills with the chunk program, whose quantized graphs run on the HTP.
+        self._cpu_prefill = (self.provider == "cpu" and self._decode_program is not None
+                             and all(str(self.chunk) in self.graphs[n]["instances"] for n in self._decode_graphs))
         self._bound: dict[tuple[str, int], BoundGraph] = {}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
@@ -325,11 +331,11 @@ class Session:
             for rows in g["instances"]:
                 phase = "decode" if int(rows) == 1 and name != self._head else "prefill"
                 if name in self._decode_graphs:
-                    if self._decode_program is None:
+                    if self._decode_program is None or int(rows) > 1 and not self._cpu_prefill:
                         continue
                     phase = "decode"
-                elif phase == "decode" and self._decode_program is not None:
-                    continue  # decode runs the fused program
+                elif phase == "decode" and self._decode_program is not None or self._cpu_prefill:
+                    continue  # the CPU program runs decode (and prefill on the CPU provider)
                 self._session(name, int(rows), self._placement[phase].get(name, "npu"))
         self.reset()
         for s in self.program:
@@ -436,6 +442,27 @@ class Session:
         self.position = start0 + len(ids)
         return out
 
+    def _prefill_cpu_program(self, ids: np.ndarray, logits_for: list[np.ndarray | None]) -> list[np.ndarray | None]:
+        """Prefill ``ids`` chunk by chunk through the CPU program (``fuse_cpu_decode``) at chunk rows;
+        the steps after SelectRows run only for chunks with rows that need logits (``logits_for[i]``)."""
+        C = self.chunk
+        start0 = self.position
+        tail = self._downstream_of_select(self._decode_program)
+        out = []
+        for i in range(-(-len(ids) // C)):
+            part = ids[i * C : (i + 1) * C]
+            padded = np.zeros(C, np.int64)
+            padded[: len(part)] = part
+            buf = self._feeds(padded, start0 + i * C)
+            rows = logits_for[i]
+            for j, s in enumerate(self._decode_program):
+                if rows is None and j in tail:
+                    continue
+                self._run_step(s, buf, start0 + i * C, len(part), rows, "prefill")
+            out.append(None if rows is None else buf[self.io["logits"]][: len(rows)])
+        self.position = start0 + len(ids)
+        return out
+
     def close(self) -> None:
         """Stop the prefetch and row-reader threads and close the weight file (budgeted bundles); the session is unusable after."""
         if self.residency is not None:
@@ -506,7 +533,7 @@ class Session:
         if self.residency is not None:  # the order the steps will run in, then decode's, for the prefetcher
             order = [j for _, j in self._order(k)] + [j for r in rows if r is not None for j in sorted(self._head_steps)]
             self.residency.streaming.schedule(order, then_repeat=self._all_steps)
-        out = self._prefill_scheduled(ids, rows)
+        out = self._prefill_cpu_program(ids, rows) if self._cpu_prefill else self._prefill_scheduled(ids, rows)
         return np.concatenate(out) if all_logits else out[-1][0]
 
     def decode(self, token: int) -> np.ndarray:

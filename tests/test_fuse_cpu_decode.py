@@ -69,7 +69,8 @@ def npu_bundle(tmp_path_factory, model_dirs, calib_words):
 
 
 def test_decode_program_shape(npu_bundle):
-    """One graph between two attentions, the corrections inside it, weights shared with the chunk program."""
+    """One graph between two attentions, the corrections inside it, at one row and at the chunk's rows,
+    weights shared with the chunk program."""
     import json
 
     m = json.loads((npu_bundle / "manifest.json").read_text())
@@ -79,7 +80,7 @@ def test_decode_program_shape(npu_bundle):
     assert sum(1 for s in prog if s.get("op") == "ShadowOutliers") > layers  # the cut it removes
     graphs = [s["name"] for s in dp if s["kind"] == "graph"]
     assert len(graphs) == layers + 2  # before each attention, after the last one, the head
-    assert all(m["graphs"][g]["placement"] == "cpu" and set(m["graphs"][g]["instances"]) == {"1"} for g in graphs)
+    assert all(m["graphs"][g]["placement"] == "cpu" and set(m["graphs"][g]["instances"]) == {"1", str(CHUNK)} for g in graphs)
     assert "ShadowOutliers" in m["graphs"][graphs[1]]["ops"]
     chunk_weights = {w for s in prog if s["kind"] == "graph" for w in m["graphs"][s["name"]]["weights"]}
     shadow_weights = {s["weights"]["weight_t"] for s in prog if s.get("op") == "ShadowOutliers"}
@@ -100,7 +101,7 @@ def test_fused_decode_matches_ir_and_chunk_program(npu_bundle, model_dirs, calib
     ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
     fused, chunked = Session(npu_bundle, "cpu"), Session(npu_bundle, "cpu")
     assert fused._decode_program is not None
-    chunked._decode_program = None
+    chunked._decode_program, chunked._cpu_prefill = None, False
     for s in (fused, chunked):
         s.reset()
         s.prefill(ids[:CHUNK])
@@ -114,6 +115,51 @@ def test_fused_decode_matches_ir_and_chunk_program(npu_bundle, model_dirs, calib
         np.testing.assert_array_equal(a, kept)
 
 
+def test_cpu_prefill_runs_the_cpu_program(npu_bundle, model_dirs, calib_words, monkeypatch, tmp_path):
+    """With the CPU provider, prefill runs the CPU program at chunk rows (no chunk-program graph and
+    no Python shadow correction runs) and gives the IR's logits, for a prompt of two chunks and a
+    partial one, scoring every row and only the last; without chunk-row instances (bundles before
+    them) it falls back to the chunk program."""
+    from test_quantization import _ctx, _run
+
+    from llmc.interpreter import Interpreter
+    from llmc.runtime import Session, kernels
+
+    ids = [int(t) for t in np.random.default_rng(11).integers(4, 120, size=2 * CHUNK + 3)]
+    g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_words))
+    _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
+    ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
+    s = Session(npu_bundle, "cpu")
+    assert s._cpu_prefill
+    ran = []
+    real_run_graph = s._run_graph
+    monkeypatch.setattr(s, "_run_graph", lambda st, buf, phase: ran.append((st["name"], buf[st["inputs"][0]].shape[0])) or real_run_graph(st, buf, phase))
+    monkeypatch.setattr(kernels, "shadow_outliers", lambda *a, **k: pytest.fail("a Python shadow correction ran"))
+    s.reset()
+    got = s.prefill(ids, all_logits=True)
+    np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max())
+    assert {name for name, _ in ran} <= s._decode_graphs and {rows for _, rows in ran} == {CHUNK}
+    s.reset()
+    np.testing.assert_allclose(s.prefill(ids), ref[-1], atol=2e-3 * np.abs(ref[-1]).max())
+    monkeypatch.undo()
+    import json
+    import shutil
+
+    copy = tmp_path / "one-row-cpu-program"
+    shutil.copytree(npu_bundle, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    for st in m["decode_program"]:  # as bundles before the chunk-row instances were
+        if st["kind"] == "graph":
+            inst = m["graphs"][st["name"]]["instances"].pop(str(CHUNK))
+            del m["files"][inst["file"]]
+            (copy / inst["file"]).unlink()
+    (copy / "manifest.json").write_text(json.dumps(m))
+    old = Session(copy, "cpu")
+    assert not old._cpu_prefill and old._decode_program is not None
+    old.reset()
+    np.testing.assert_allclose(old.prefill(ids, all_logits=True), ref, atol=2e-3 * np.abs(ref).max())
+
+
 def test_pass_on_a_planned_model_and_when_it_stands_aside(tmp_path):
     from conftest import plan_small
 
@@ -123,7 +169,7 @@ def test_pass_on_a_planned_model_and_when_it_stands_aside(tmp_path):
     graph, ctx = plan_small(tmp_path)
     FuseCpuDecode().run(graph, ctx)
     dp, cp = ctx.get(DecodePlan), ctx.get(ChunkPlan)
-    assert len(dp.steps) < len(cp.steps) and {s.row_counts for s in dp.subgraphs} == {(1,)}
+    assert len(dp.steps) < len(cp.steps) and {s.row_counts for s in dp.subgraphs} == {(1, cp.chunk)}
     assert [s.name for s in dp.steps if s.kind == "op"] == [s.name for s in cp.steps if s.kind == "op" and graph.node(s.name).op != "ShadowOutliers"]
 
     graph, ctx = plan_small(tmp_path, memory_budget="50%")  # streamed per step of the chunk program

@@ -89,7 +89,10 @@ def test_quantized_bundle_quality(smol_bundles):
                "To write a function in Python, you"]
     a = agreement(npu, cpu, prompts, new_tokens=16)
     assert a.teacher_forced >= 0.9, a
-    assert sum(npu.outlier_counts.values()) > 0
+    chunked = Session(smol_bundles["npu"], lazy=True)  # the chunk program's Python corrections count the outliers they see
+    chunked._cpu_prefill = False
+    chunked.prefill(ids[:256])
+    assert sum(chunked.outlier_counts.values()) > 0
     report = json.loads((smol_bundles["npu"] / "report.json").read_text())
     assert report["summary"]["resident_shadow_fraction_of_int8_weights"] < 0.02
 
