@@ -180,7 +180,7 @@ def compile_model(
                                           streamed=frozenset(offload["streamed"]) if offload else frozenset(),
                                           fed=frozenset(offload["resident"]) if offload else frozenset())
         decode_plan = ctx.get(DecodePlan) if ctx.has(DecodePlan) else None  # none under a budget (fuse_cpu_decode)
-        if decode_plan is not None:  # the CPU's one-row program (fuse_cpu_decode)
+        if decode_plan is not None:  # the CPU's program (decode, and CPU prefill) (fuse_cpu_decode)
             # the corrections' float weights are inputs: ONNX Runtime reads every initializer when it loads a graph,
             # which would page in all of them; fed by pointer, only the rows of outlier channels are touched
             shadow_t = frozenset(n.weights["weight_t"].name for n in graph.find("ShadowOutliers"))

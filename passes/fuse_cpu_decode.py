@@ -12,10 +12,10 @@ one call, with attention between. The results are the same numbers the chunk
 program computes; only where the correction runs changes.
 
 Its graphs are instantiated at one row and at the chunk's rows. The runtime
-uses this program for decode when the CPU runs it, and for prefill with
-``--provider cpu`` (the corrections then run on all of ONNX Runtime's threads,
+uses this program for decode when the CPU runs it, and for prefill when the
+CPU runs every prefill graph (the CPU provider; the corrections then run on all of ONNX Runtime's threads,
 with no Python step between a correction and its matmuls: SmolLM2 prefill at
-512 tokens 1.25x faster, same-process A/B); the QNN provider keeps the chunk
+512 tokens 1.31x faster, same-process A/B); the QNN provider keeps the chunk
 program, whose quantized graphs run on the HTP. Bundles
 compiled with a memory budget stream weights per step of the chunk program, so
 the pass does nothing for them; nor without shadow outliers, where the chunk

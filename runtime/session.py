@@ -184,10 +184,19 @@ class Session:
             tail = self._downstream_of_select(self._decode_program)
             self._reusable |= {st["name"] for i, st in enumerate(self._decode_program) if st["kind"] == "graph" and i not in tail}
         self._decode_graphs = {st["name"] for st in m.get("decode_program", []) if st["kind"] == "graph"}
-        # Prefill on the CPU provider runs the same program at chunk rows (bundles since it has those instances);
-        # the QNN provider prefills with the chunk program, whose quantized graphs run on the HTP.
-        self._cpu_prefill = (self.provider == "cpu" and self._decode_program is not None
+        # Prefill runs the same program at chunk rows when the CPU runs every prefill graph (the CPU provider, or a
+        # placement that keeps prefill off the NPU) and its graphs have those instances (bundles before them do not);
+        # otherwise the chunk program, whose quantized graphs run on the HTP.
+        self._cpu_prefill = (self._decode_program is not None
+                             and (self.provider == "cpu" or all(self._placement["prefill"].get(st["name"], "npu") == "cpu"
+                                                                 for st in self.program if st["kind"] == "graph"))
                              and all(str(self.chunk) in self.graphs[n]["instances"] for n in self._decode_graphs))
+        if self._cpu_prefill:
+            self._cpu_tail = self._downstream_of_select(self._decode_program)
+            self._cpu_uses: dict[str, int] = {}  # readers of each value in a chunk, for freeing it after the last one
+            for st in self._decode_program:
+                for v in st["inputs"]:
+                    self._cpu_uses[v] = self._cpu_uses.get(v, 0) + 1
         self._bound: dict[tuple[str, int], BoundGraph] = {}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
@@ -222,6 +231,12 @@ class Session:
         if requested == "auto" and has and qnn_available() is None:
             return "qnn"
         return "cpu"
+
+    @property
+    def counts_outliers(self) -> bool:
+        """Whether prefill's shadow corrections run in Python and count the outliers they see
+        (``outlier_counts``); the CPU program corrects inside its graphs, uncounted."""
+        return bool(self.outlier_counts) and not self._cpu_prefill
 
     def _decode_on_cpu(self) -> bool:
         """Whether every decode graph runs on the CPU: the provider is ``cpu``, or the
@@ -334,7 +349,7 @@ class Session:
                     if self._decode_program is None or int(rows) > 1 and not self._cpu_prefill:
                         continue
                     phase = "decode"
-                elif phase == "decode" and self._decode_program is not None or self._cpu_prefill:
+                elif (phase == "decode" and self._decode_program is not None) or self._cpu_prefill:
                     continue  # the CPU program runs decode (and prefill on the CPU provider)
                 self._session(name, int(rows), self._placement[phase].get(name, "npu"))
         self.reset()
@@ -447,7 +462,7 @@ class Session:
         the steps after SelectRows run only for chunks with rows that need logits (``logits_for[i]``)."""
         C = self.chunk
         start0 = self.position
-        tail = self._downstream_of_select(self._decode_program)
+        logits = self.io["logits"]
         out = []
         for i in range(-(-len(ids) // C)):
             part = ids[i * C : (i + 1) * C]
@@ -455,11 +470,16 @@ class Session:
             padded[: len(part)] = part
             buf = self._feeds(padded, start0 + i * C)
             rows = logits_for[i]
+            uses = dict(self._cpu_uses)
             for j, s in enumerate(self._decode_program):
-                if rows is None and j in tail:
+                if rows is None and j in self._cpu_tail:
                     continue
                 self._run_step(s, buf, start0 + i * C, len(part), rows, "prefill")
-            out.append(None if rows is None else buf[self.io["logits"]][: len(rows)])
+                for v in s["inputs"]:  # a chunk's activations live until their last reader, as in the chunk program
+                    uses[v] -= 1
+                    if uses[v] == 0 and v != logits:
+                        buf.pop(v, None)
+            out.append(None if rows is None else buf[logits][: len(rows)])
         self.position = start0 + len(ids)
         return out
 
@@ -478,7 +498,8 @@ class Session:
         on_qnn = self._on_npu(name, processor)
         i = self._step_index.get(name)
         streamed = self.residency is not None and i in self.residency.streaming.by_step
-        if rows == 1 and name in self._reusable and not on_qnn and not streamed:
+        # Only decode reuses output buffers: a prefill of one-row chunks (--chunk 1) keeps every chunk's results
+        if rows == 1 and phase == "decode" and name in self._reusable and not on_qnn and not streamed:
             bound = self._bound.get((name, rows))
             if bound is None:
                 outs = self.graphs[name]["outputs"]

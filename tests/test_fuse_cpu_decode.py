@@ -1,4 +1,4 @@
-"""fuse_cpu_decode: the shadow correction lowered to ONNX, and the one-row CPU decode program."""
+"""fuse_cpu_decode: the shadow correction lowered to ONNX, and the CPU program (decode, and prefill on the CPU)."""
 
 from __future__ import annotations
 
@@ -130,7 +130,8 @@ def test_cpu_prefill_runs_the_cpu_program(npu_bundle, model_dirs, calib_words, m
     _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
     ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
     s = Session(npu_bundle, "cpu")
-    assert s._cpu_prefill
+    assert s._cpu_prefill and not s.counts_outliers
+    assert {g for g, _, _ in s._sessions} == s._decode_graphs  # warmup made no chunk-program session
     ran = []
     real_run_graph = s._run_graph
     monkeypatch.setattr(s, "_run_graph", lambda st, buf, phase: ran.append((st["name"], buf[st["inputs"][0]].shape[0])) or real_run_graph(st, buf, phase))
@@ -140,7 +141,9 @@ def test_cpu_prefill_runs_the_cpu_program(npu_bundle, model_dirs, calib_words, m
     np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max())
     assert {name for name, _ in ran} <= s._decode_graphs and {rows for _, rows in ran} == {CHUNK}
     s.reset()
+    ran.clear()
     np.testing.assert_allclose(s.prefill(ids), ref[-1], atol=2e-3 * np.abs(ref[-1]).max())
+    assert [name for name, _ in ran].count("decode_head") == 1  # the head only for the chunk with the last token
     monkeypatch.undo()
     import json
     import shutil
@@ -155,9 +158,10 @@ def test_cpu_prefill_runs_the_cpu_program(npu_bundle, model_dirs, calib_words, m
             (copy / inst["file"]).unlink()
     (copy / "manifest.json").write_text(json.dumps(m))
     old = Session(copy, "cpu")
-    assert not old._cpu_prefill and old._decode_program is not None
+    assert not old._cpu_prefill and old._decode_program is not None and old.counts_outliers
     old.reset()
     np.testing.assert_allclose(old.prefill(ids, all_logits=True), ref, atol=2e-3 * np.abs(ref).max())
+    assert sum(old.outlier_counts.values()) > 0  # the chunk program's Python corrections ran
 
 
 def test_pass_on_a_planned_model_and_when_it_stands_aside(tmp_path):

@@ -65,6 +65,21 @@ def test_layering():
     assert not any(m.startswith("llmc.passes") for m in _imports("backends"))
 
 
+def test_one_row_chunks_score_every_row(model_dirs, tmp_path):
+    """--chunk 1: every prompt token is its own chunk; scoring all rows must not hand every chunk the
+    same reused output buffer (decode's one-row buffers), which scored all rows as the last."""
+    from conftest import hf_logits
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    compile_model(str(model_dirs("llama")), tmp_path / "c1", target="cpu", chunk=1, max_context=MAX_CONTEXT)
+    ids = [1, 5, 9, 17, 33, 4, 8]
+    ref = hf_logits(model_dirs("llama"), ids)
+    s = Session(tmp_path / "c1")
+    np.testing.assert_allclose(s.prefill(ids, all_logits=True), ref, atol=1e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(s.decode(3), hf_logits(model_dirs("llama"), ids + [3])[-1], atol=1e-4 * np.abs(ref).max())
+
+
 def test_chunked_prefill_equals_token_by_token(bundles):
     """Prefill in chunks (with a padded tail) and feeding tokens one at a time give the same logits."""
     from llmc.runtime import Session
