@@ -257,6 +257,9 @@ class Schedule:
     out_of_order: Timeline
     decode_s: float  # predicted seconds per decoded token
     head_s: float  # the LM head on the last prompt token, after the timeline
+    # prefill through the CPU program (fuse_cpu_decode at chunk rows), which the runtime runs instead of the
+    # timelines' chunk program when the CPU runs every prefill graph; None when it does not apply
+    cpu_program_s: float | None = None
 
     @property
     def chosen(self) -> Timeline:
@@ -265,7 +268,7 @@ class Schedule:
 
     @property
     def prefill_s(self) -> float:
-        return self.chosen.makespan_s + self.head_s
+        return (self.cpu_program_s if self.cpu_program_s is not None else self.chosen.makespan_s) + self.head_s
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 The model is built on PyTorch's meta device (shapes, no storage), traced and
 lifted like a compile, and run through the planning pipeline (``plan-npu``:
-the npu target's quantized program shape with an assumed shadow plan, then
-``place``, ``schedule`` and ``plan_offload``). Nothing is downloaded and no
+the npu target's quantized program shape with an assumed shadow plan and the
+CPU's program (``fuse_cpu_decode``), then ``place``, ``schedule`` and
+``plan_offload``). Nothing is downloaded and no
 weight is read, so a 7B model plans in seconds on a laptop.
 """
 
@@ -110,7 +111,8 @@ class PlanResult:
                 "latency_s": s.prefill_s, "tok_s": self.prefill_tok_s,
                 "in_order_s": s.in_order.makespan_s + s.head_s, "out_of_order_s": s.out_of_order.makespan_s + s.head_s,
                 "npu_bubble_rate_in_order": s.in_order.npu_bubble_rate, "npu_bubble_rate_out_of_order": s.out_of_order.npu_bubble_rate,
-                "npu_busy_s": s.chosen.npu_busy_s, "cpu_busy_s": s.chosen.cpu_busy_s, "policy": s.chosen.policy,
+                "npu_busy_s": s.chosen.npu_busy_s, "cpu_busy_s": s.chosen.cpu_busy_s,
+                "policy": "cpu program" if s.cpu_program_s is not None else s.chosen.policy,
             },
             "decode": {"s_per_token": 1.0 / self.decode_tok_s, "tok_s": self.decode_tok_s},
             "placement": {ph: {"npu": sum(1 for p in getattr(pl, ph).values() if p == "npu"), "cpu": sum(1 for p in getattr(pl, ph).values() if p == "cpu")}

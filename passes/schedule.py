@@ -21,6 +21,11 @@ for every chunk count up to ``max_context / C`` (``Schedule.orders``), so the
 runtime follows the one that fits the prompt. The LM head steps (after
 ``SelectRows``) run once, after the last chunk, and are not part of the orders.
 
+When every prefill graph is placed on the CPU and ``fuse_cpu_decode``'s
+program has chunk-row instances, the runtime prefills through that program
+instead (chunk after chunk); ``Schedule.cpu_program_s`` prices it and
+``prefill_s`` uses it. The timelines still describe the chunk program.
+
 Produces :class:`llmc.analyses.Schedule`; the IR is unchanged.
 """
 
@@ -29,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 
-from llmc.analyses import ChunkPlan, Placement, Schedule, Task, Timeline
+from llmc.analyses import ChunkPlan, DecodePlan, Placement, Schedule, Task, Timeline
 from llmc.cost_model import CostModel
 from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
@@ -40,7 +45,7 @@ log = logging.getLogger(__name__)
 MAX_STORED_ORDERS = 16  # chunk counts with an order of their own in the bundle; larger prompts reuse the last
 
 
-def head_steps(graph: Graph, plan: ChunkPlan) -> set[int]:
+def head_steps(graph: Graph, plan: ChunkPlan | DecodePlan) -> set[int]:
     """Indices of the steps downstream of row selection (the LM head on selected rows)."""
     tainted: set[str] = set()
     out: set[int] = set()
@@ -183,10 +188,16 @@ class ScheduleSteps(Pass):
             decode_s = sum(cm.step_seconds(s, 1, 1, tokens, "cpu") for s in dp.steps)  # the runtime's CPU decode program
         else:
             decode_s = _chain_seconds(cm, placement, list(plan.steps), "decode", tokens)
+        cpu_program_s = None
+        if dp is not None and one_processor and all(c in sub.row_counts for sub in dp.subgraphs):
+            # the runtime prefills through the CPU program, chunk by chunk (its head steps are head_s's)
+            body = [s for j, s in enumerate(dp.steps) if j not in head_steps(graph, dp)]
+            cpu_program_s = sum(cm.step_seconds(s, c, min(c, tokens - i * c), i * c + min(c, tokens - i * c), "cpu")
+                                for i in range(k_prompt) for s in body)
         ino, ooo = report
         log.info("schedule (%s, %d tokens): in-order %.1f ms (NPU bubbles %.0f%%), out-of-order %.1f ms (%.0f%%); decode %.2f ms/token",
                  cm.profile.name, tokens, ino.makespan_s * 1e3, ino.npu_bubble_rate * 100, ooo.makespan_s * 1e3, ooo.npu_bubble_rate * 100, decode_s * 1e3)
-        ctx.put(Schedule(tokens, orders, ino, ooo, decode_s, head_s))
+        ctx.put(Schedule(tokens, orders, ino, ooo, decode_s, head_s, cpu_program_s))
         return PassResult(False)
 
 

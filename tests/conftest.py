@@ -154,7 +154,7 @@ SMALL = {"model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816, 
          "num_key_value_heads": 4, "vocab_size": 1000, "max_position_embeddings": 4096}
 
 
-def plan_small(directory: Path, config: dict | None = None, **overrides):
+def plan_small(directory: Path, config: dict | None = None, pipeline: str | None = None, **overrides):
     """``planned_program`` of SMALL (updated with ``config``) for 8gen3, chunk 256, a 1000-token prompt; returns (graph, ctx)."""
     import json
 
@@ -165,7 +165,7 @@ def plan_small(directory: Path, config: dict | None = None, **overrides):
     cfg.write_text(json.dumps(SMALL | (config or {})))
     opts = dict(target="npu", chunk=256, max_context=1024, profile="8gen3", prompt_len=1000)
     opts.update(overrides)
-    graph, ctx, _, _ = planned_program(str(cfg), CompileOptions(**opts))
+    graph, ctx, _, _ = planned_program(str(cfg), CompileOptions(**opts), pipeline)
     return graph, ctx
 
 

@@ -134,7 +134,9 @@ def test_decode_prediction_follows_the_cpu_decode_program(tmp_path):
     prof["numbers"]["cpu.node_s"] = {"value": 2e-6, "source": "test"}
     path = tmp_path / "p.json"
     path.write_text(json.dumps(prof))
-    graph, ctx = plan_small(tmp_path, profile=str(path), placement="cpu")
+    without = "dce,select_logit_rows,assume_shadow_plan,quantize,chunk_static_graphs,place,schedule,plan_offload"
+    graph, ctx = plan_small(tmp_path, profile=str(path), placement="cpu", pipeline=without)
+    assert not ctx.has(DecodePlan)
     chunk_s = ctx.get(Schedule).decode_s
     FuseCpuDecode().run(graph, ctx)
     ScheduleSteps().run(graph, ctx)

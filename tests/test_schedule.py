@@ -81,3 +81,19 @@ def test_runtime_follows_an_out_of_order_schedule_exactly(tmp_path, model_dirs):
     got = s.prefill(ids, all_logits=True)
     assert seen == order
     np.testing.assert_allclose(got, hf_logits(model_dirs("llama"), ids), atol=2e-4, rtol=1e-4)
+
+
+def test_all_cpu_prefill_is_priced_on_the_cpu_program(tmp_path):
+    """With every prefill graph on the CPU the runtime prefills through fuse_cpu_decode's program at chunk
+    rows, so the prediction does too; with NPU graphs in the placement it stays the chunk timelines'."""
+    from conftest import plan_small
+
+    from llmc.analyses import DecodePlan, Schedule
+
+    graph, ctx = plan_small(tmp_path, placement="cpu")
+    s = ctx.get(Schedule)
+    assert ctx.has(DecodePlan) and s.cpu_program_s is not None
+    assert s.prefill_s == s.cpu_program_s + s.head_s and s.cpu_program_s < s.in_order.makespan_s
+    graph, ctx = plan_small(tmp_path)  # 8gen3, auto placement: the NPU runs graphs
+    s = ctx.get(Schedule)
+    assert s.cpu_program_s is None and s.prefill_s == s.chosen.makespan_s + s.head_s
