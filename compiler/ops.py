@@ -112,16 +112,23 @@ def _qlinear(node: "Node"):
     return [((_rows(node), out_f), "float32")]
 
 
-def _blockqlinear(node: "Node"):
-    (x,) = node.inputs
-    out_f, nb, width = node.weights["qweight"].shape
+def _block_codes(node: "Node") -> tuple[int, int, int]:
+    """Check the block-quantized weights of ``node`` (codes ``[N, blocks, block * bits / 8]``, scales
+    ``[N * blocks]``, offsets ``[blocks, N]``); return (N, blocks, block)."""
+    n, nb, width = node.weights["qweight"].shape
     block, bits = node.attrs["block_size"], node.attrs["bits"]
     if bits not in (4, 8) or width * 8 != block * bits:
         raise ValueError(f"{width} bytes per block do not hold {block} {bits}-bit codes (bits must be 4 or 8)")
+    if node.weights["scales"].shape != (n * nb,) or node.weights["offsets"].shape != (nb, n):
+        raise ValueError("scales must be [N * blocks] and offsets [blocks, N]")
+    return n, nb, block
+
+
+def _blockqlinear(node: "Node"):
+    (x,) = node.inputs
+    out_f, nb, block = _block_codes(node)
     if x.shape[-1] != nb * block:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {nb * block}")
-    if node.weights["scales"].shape != (out_f * nb,) or node.weights["offsets"].shape != (nb, out_f):
-        raise ValueError("scales must be [N * blocks] and offsets [blocks, N]")
     if "bias" in node.weights and node.weights["bias"].shape != (out_f,):
         raise ValueError("bias shape does not match weight")
     return [((_rows(node), out_f), "float32")]
@@ -159,12 +166,7 @@ def _embedding(node: "Node"):
 
 def _block_embedding(node: "Node"):
     (ids,) = node.inputs
-    v, nb, width = node.weights["qweight"].shape
-    block, bits = node.attrs["block_size"], node.attrs["bits"]
-    if bits not in (4, 8) or width * 8 != block * bits:
-        raise ValueError(f"{width} bytes per block do not hold {block} {bits}-bit codes (bits must be 4 or 8)")
-    if node.weights["scales"].shape != (v * nb,) or node.weights["offsets"].shape != (nb, v):
-        raise ValueError("scales must be [V * blocks] and offsets [blocks, V]")
+    _, nb, block = _block_codes(node)
     return [((ids.shape[0], nb * block), "float32")]
 
 
