@@ -62,6 +62,11 @@ class WeightStore:
         self._loaders[name] = loader
         return ref
 
+    def derived(self, name: str, shape: Iterable[int], dtype: str, loader: Callable[[], Any]) -> WeightRef:
+        """The weight ``name``, added with ``loader`` unless a pass already derived it (weights
+        shared by several nodes, such as a tied embedding's, are derived once)."""
+        return self._refs[name] if name in self._refs else self.add(name, shape, dtype, loader)
+
     def __contains__(self, name: str) -> bool:
         return name in self._refs
 

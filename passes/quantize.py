@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmc.analyses import ShadowPlan
-from llmc.ir import Graph, WeightStore
+from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
 
 
@@ -66,11 +66,6 @@ def quantize_weight(w: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.nd
 _BLOCK_ELEMENTS = 1 << 20
 
 
-def _derived(store: WeightStore, name: str, shape, dtype, fn):
-    if name in store:
-        return store[name]
-    return store.add(name, shape, dtype, fn)
-
 
 def _shadow_name(xname: str) -> str:
     return f"shadow[{xname}]"
@@ -102,8 +97,8 @@ class Quantize(Pass):
                     self._cache[name] = quantize_weight(store.load(name), per_channel)
                 return self._cache.pop(name) if pop else self._cache[name]
 
-            qweight = _derived(store, f"{wref.name}.q8", (in_f, out_f), "uint8", lambda qw=qw: qw()[0])
-            wscale = _derived(store, f"{wref.name}.scale", (out_f if per_channel else 1,), "float32", lambda qw=qw: qw(pop=True)[1])
+            qweight = store.derived(f"{wref.name}.q8", (in_f, out_f), "uint8", lambda qw=qw: qw()[0])
+            wscale = store.derived(f"{wref.name}.scale", (out_f if per_channel else 1,), "float32", lambda qw=qw: qw(pop=True)[1])
             weights = {"qweight": qweight, "wscale": wscale}
             if "bias" in node.weights:
                 weights["bias"] = node.weights["bias"]

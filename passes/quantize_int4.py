@@ -45,7 +45,7 @@ import logging
 import numpy as np
 
 from llmc.errors import CompileError
-from llmc.ir import Graph, WeightStore
+from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
 
 log = logging.getLogger(__name__)
@@ -121,11 +121,6 @@ def logits_linear(graph: Graph):
     return None
 
 
-def _derived(store: WeightStore, name: str, shape, dtype, fn):
-    if name in store:
-        return store[name]
-    return store.add(name, shape, dtype, fn)
-
 
 def check_options(options) -> None:
     """int4 bundles are for the CPU target, without a memory budget: a streamed MatMulNBits weight
@@ -177,9 +172,9 @@ class QuantizeInt4(Pass):
                 return arrays[i]
 
             weights = {
-                "qweight": _derived(store, f"{wref.name}.q{bits}b", (out_f, nb, BLOCK * bits // 8), "uint8", lambda part=part: part(0)),
-                "scales": _derived(store, f"{wref.name}.q{bits}b.scale", (out_f * nb,), "float32", lambda part=part: part(1)),
-                "offsets": _derived(store, f"{wref.name}.q{bits}b.offset", (nb, out_f), "float32", lambda part=part: part(2)),
+                "qweight": store.derived(f"{wref.name}.q{bits}b", (out_f, nb, BLOCK * bits // 8), "uint8", lambda part=part: part(0)),
+                "scales": store.derived(f"{wref.name}.q{bits}b.scale", (out_f * nb,), "float32", lambda part=part: part(1)),
+                "offsets": store.derived(f"{wref.name}.q{bits}b.offset", (nb, out_f), "float32", lambda part=part: part(2)),
             }
             if "bias" in node.weights:
                 weights["bias"] = node.weights["bias"]
