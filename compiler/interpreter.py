@@ -127,9 +127,7 @@ class Interpreter:
             b = self.weight(n, "bias")
             return [y + b if b is not None else y]
         if op == "BlockQLinear":
-            from llmc.passes.quantize_int4 import dequantize_blocks
-
-            w = dequantize_blocks(self.weight(n, "qweight"), self.weight(n, "scales"), self.weight(n, "offsets"), a["bits"])
+            w = kernels.dequantize_blocks(self.weight(n, "qweight"), self.weight(n, "scales"), self.weight(n, "offsets"), a["bits"])
             y = x[0] @ w.T
             b = self.weight(n, "bias")
             return [y + b if b is not None else y]

@@ -89,21 +89,6 @@ def quantize_blocks(w: np.ndarray, bits: int = 4, block: int = BLOCK) -> tuple[n
     return codes, scales.reshape(-1), offsets
 
 
-def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int) -> np.ndarray:
-    """The float32 ``[N, K]`` weights that :func:`quantize_blocks`'s output stands for."""
-    n, nb, width = codes.shape
-    if bits == 4:
-        q = np.empty((n, nb, 2 * width), np.float32)
-        q[..., 0::2] = codes & 15
-        q[..., 1::2] = codes >> 4
-    else:
-        q = codes.astype(np.float32)
-    q -= 1 << (bits - 1)
-    q *= scales.reshape(n, nb)[..., None]
-    q += offsets.T[..., None]
-    return q.reshape(n, -1)
-
-
 _PASS_THROUGH = ("Scale", "Act", "Slice", "SelectRows")  # weightless one-input ops between the head and the logits
 
 

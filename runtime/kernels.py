@@ -31,22 +31,26 @@ def embedding(ids: np.ndarray, table: np.ndarray, scale: float) -> np.ndarray:
     return out
 
 
-def block_embedding(ids: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int, scale: float) -> np.ndarray:
-    """Rows ``ids`` of block-quantized weights (``llmc.passes.quantize_int4``'s format: codes
-    ``[V, blocks, block * bits / 8]``, scales ``[V * blocks]``, offsets ``[blocks, V]``),
-    dequantized as ``s * (q - 2^(bits-1)) + o``, times ``scale``."""
-    v, nb, width = codes.shape
-    c = np.take(codes, ids, axis=0)
+def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int) -> np.ndarray:
+    """Float32 ``[N, K]`` rows of block-quantized weights (``llmc.passes.quantize_int4``'s format: codes
+    ``[N, blocks, block * bits / 8]``, scales ``[N * blocks]``, offsets ``[blocks, N]``): ``s * (q - 2^(bits-1)) + o``."""
+    n, nb, width = codes.shape
     if bits == 4:
-        q = np.empty((len(ids), nb, 2 * width), np.float32)
-        q[..., 0::2] = c & 15
-        q[..., 1::2] = c >> 4
+        q = np.empty((n, nb, 2 * width), np.float32)
+        q[..., 0::2] = codes & 15
+        q[..., 1::2] = codes >> 4
     else:
-        q = c.astype(np.float32)
+        q = codes.astype(np.float32)
     q -= 1 << (bits - 1)
-    q *= np.take(scales.reshape(v, nb), ids, axis=0)[..., None]
-    q += np.take(offsets, ids, axis=1).T[..., None]
-    out = q.reshape(len(ids), -1)
+    q *= scales.reshape(n, nb)[..., None]
+    q += offsets.T[..., None]
+    return q.reshape(n, -1)
+
+
+def block_embedding(ids: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int, scale: float) -> np.ndarray:
+    """Rows ``ids`` of block-quantized weights (see :func:`dequantize_blocks`), times ``scale``."""
+    v, nb, _ = codes.shape
+    out = dequantize_blocks(np.take(codes, ids, axis=0), np.take(scales.reshape(v, nb), ids, axis=0), np.take(offsets, ids, axis=1), bits)
     if scale != 1.0:
         out *= np.float32(scale)
     return out

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import CHUNK, MAX_CONTEXT
-from llmc.passes.quantize_int4 import BLOCK, dequantize_blocks, quantize_blocks
+from llmc.passes.quantize_int4 import BLOCK, quantize_blocks
+from llmc.runtime.kernels import dequantize_blocks
 
 IDS = [1, 5, 9, 17, 33, 4, 8, 12, 40, 41, 42, 7, 6, 30, 31, 11, 50, 60, 3, 22]  # 20 tokens: two full chunks and a partial one
 
