@@ -21,7 +21,6 @@ from llmc.pass_manager import CompileOptions, Instrument, ModelInputs, PassConte
 log = logging.getLogger(__name__)
 
 TARGETS = ("cpu", "npu", "mlir")
-WEIGHT_FORMATS = ("float32", "int4")  # --target cpu --weights
 STAGES = ("load", "trace", "lift", "passes", "emit", "qnn")
 
 
@@ -91,6 +90,7 @@ def compile_model(
     from llmc.backends import bundle as bundle_mod
     from llmc.backends import onnx_backend
     from llmc.passes import REGISTRY
+    from llmc.passes.quantize_int4 import check_options, check_weight_format
 
     if target not in TARGETS:
         raise CompileError(f"target {target!r} is not available in this version", hint="available targets: " + ", ".join(TARGETS))
@@ -104,11 +104,6 @@ def compile_model(
             raise MlirBackendError(f"unknown MLIR dialect {mlir_dialect!r}", hint="choose one of: " + ", ".join(DIALECTS))
     if soc is not None and target != "npu":
         raise CompileError(f"--soc applies to --target npu, not {target}")
-    if weight_format not in WEIGHT_FORMATS:
-        raise CompileError(f"unknown weight format {weight_format!r}", hint="choose one of: " + ", ".join(WEIGHT_FORMATS))
-    if weight_format != "float32" and target != "cpu":
-        raise CompileError(f"--weights {weight_format} applies to --target cpu, not {target}",
-                           hint="drop --weights (the npu target quantizes to W8A8 itself; mlir lowers the float32 graphs), or use --target cpu")
     bundle_mod.check_output(out)  # a bad -o fails now, not after loading and compiling
     qnn_skip = None
     if target == "npu":
@@ -125,18 +120,14 @@ def compile_model(
             log.warning("QNN context binaries skipped: %s; the bundle has the ONNX graphs only", qnn_skip)
     default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
     passes = parse_pipeline(pipeline or default_pipeline(default), REGISTRY)  # fail fast on a bad --pipeline
-    int4_pass = any(p.name == "quantize_int4" for p in passes)
-    if weight_format == "int4" and not int4_pass:
-        raise CompileError("--weights int4 with a --pipeline that has no quantize_int4 pass would build a float32 bundle",
-                           hint="add quantize_int4 to --pipeline (after select_logit_rows), or drop --weights int4")
+    names = [p.name for p in passes]
+    check_weight_format(weight_format, target, names)
     quant_options["profile"] = resolve_profile(quant_options.get("profile"), soc)
     try:
         options = CompileOptions(target=target, chunk=chunk, max_context=max_context, **quant_options)
     except TypeError as e:
         raise CompileError(f"unknown compile option: {e}") from None
-    if int4_pass:
-        from llmc.passes.quantize_int4 import check_options
-
+    if "quantize_int4" in names:
         check_options(options)  # before loading the model
     seconds: dict[str, float] = {}
     notify = progress or (lambda stage: None)

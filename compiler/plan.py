@@ -157,18 +157,15 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
                shadow: bool = True, shadow_keep: float = 1.0, weight_format: str = "float32") -> PlanResult:
     from llmc.errors import CompileError
     from llmc.passes import DEFAULT_PIPELINES
+    from llmc.passes.quantize_int4 import check_weight_format
 
     if prompt_len < 1:
         raise CompileError(f"--prompt-len must be at least 1, is {prompt_len}")
     if target not in ("npu", "cpu"):
         raise CompileError(f"llmc plan supports --target npu or cpu, not {target!r}")
-    if weight_format not in ("float32", "int4") or weight_format == "int4" and target != "cpu":
-        raise CompileError(f"--weights {weight_format} does not apply to --target {target}", hint="--weights int4 plans the cpu target's int4 program")
     if weight_format == "int4" and pipeline is None:
         pipeline = DEFAULT_PIPELINES["plan-cpu-int4"]
-    if weight_format == "int4" and "quantize_int4" not in pipeline.split(","):
-        raise CompileError("--weights int4 with a pipeline that has no quantize_int4 pass would plan the float32 program",
-                           hint="add quantize_int4 to the pipeline, or drop --weights int4")
+    check_weight_format(weight_format, target, (pipeline or DEFAULT_PIPELINES[f"plan-{target}"]).split(","))
     max_context = max_context or chunk * math.ceil(prompt_len / chunk)
     if prompt_len > max_context:
         raise CompileError(f"--prompt-len {prompt_len} exceeds --max-context {max_context}")

@@ -107,6 +107,21 @@ def logits_linear(graph: Graph):
 
 
 
+WEIGHT_FORMATS = ("float32", "int4")  # --weights of compile and plan
+
+
+def check_weight_format(weight_format: str, target: str, pass_names) -> None:
+    """``--weights`` against the target and the pipeline's passes, for compile and plan alike."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise CompileError(f"unknown weight format {weight_format!r}", hint="choose one of: " + ", ".join(WEIGHT_FORMATS))
+    if weight_format != "float32" and target != "cpu":
+        raise CompileError(f"--weights {weight_format} applies to --target cpu; it does not apply to --target {target}",
+                           hint="drop --weights (the npu target quantizes to W8A8 itself; mlir lowers the float32 graphs), or use --target cpu")
+    if weight_format == "int4" and "quantize_int4" not in pass_names:
+        raise CompileError("--weights int4 with a pipeline that has no quantize_int4 pass would make the float32 program",
+                           hint="add quantize_int4 to the pipeline (after select_logit_rows), or drop --weights int4")
+
+
 def check_options(options) -> None:
     """int4 bundles are for the CPU target, without a memory budget: a streamed MatMulNBits weight
     is a graph input, which ONNX Runtime does not prepack; it then dequantizes the whole matrix
