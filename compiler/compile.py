@@ -116,12 +116,12 @@ def compile_model(
             raise CompileError(f"unknown SoC {soc!r}", hint="choose one of: " + ", ".join(SOCS))
         else:
             qnn_skip = qnn_available()
-        if qnn_skip:
-            log.warning("QNN context binaries skipped: %s; the bundle has the ONNX graphs only", qnn_skip)
     default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
     passes = parse_pipeline(pipeline or default_pipeline(default), REGISTRY)  # fail fast on a bad --pipeline
     names = [p.name for p in passes]
     check_weight_format(weight_format, target, names)
+    if qnn_skip:
+        log.warning("QNN context binaries skipped: %s; the bundle has the ONNX graphs only", qnn_skip)
     quant_options["profile"] = resolve_profile(quant_options.get("profile"), soc)
     try:
         options = CompileOptions(target=target, chunk=chunk, max_context=max_context, **quant_options)
