@@ -151,11 +151,7 @@ class Session:
         self._orders = (m.get("schedule") or {}).get("orders", {})
         pl = m.get("placement") or {}
         self._placement = {"prefill": pl.get("prefill", {}), "decode": pl.get("decode", {})}
-        self._uses: dict[str, int] = {}
-        for i, st in enumerate(self.program):
-            if i not in self._head_steps:
-                for v in st["inputs"]:
-                    self._uses[v] = self._uses.get(v, 0) + 1
+        self._uses = self._readers(self.program, self._head_steps)
         self._head_inputs = {v for i in self._head_steps for v in self.program[i]["inputs"]}
         self._hot_pos: dict[str, np.ndarray] = {}
         for st in self.program:
@@ -177,26 +173,19 @@ class Session:
         # Graphs that do not produce the logits write into reused buffers (each graph is one step).
         self._reusable = {st["name"] for i, st in enumerate(self.program) if st["kind"] == "graph" and i not in self._head_steps}
         self._all_steps = list(range(len(self.program)))  # decode's step order, for the prefetcher
-        # The CPU's one-row decode program (fuse_cpu_decode), when decode runs on the CPU.
+        # The CPU's program (fuse_cpu_decode), when decode runs on the CPU; prefill uses it too (below).
         self._decode_program: list[dict[str, Any]] | None = None
-        if "decode_program" in m and self._decode_on_cpu():
+        if "decode_program" in m and self._on_cpu("decode"):
             self._decode_program = m["decode_program"]
-            tail = self._downstream_of_select(self._decode_program)
-            self._reusable |= {st["name"] for i, st in enumerate(self._decode_program) if st["kind"] == "graph" and i not in tail}
+            self._cpu_tail = self._downstream_of_select(self._decode_program)
+            self._reusable |= {st["name"] for i, st in enumerate(self._decode_program) if st["kind"] == "graph" and i not in self._cpu_tail}
+            self._cpu_uses = self._readers(self._decode_program)  # a chunk's values are freed after their last reader
         self._decode_graphs = {st["name"] for st in m.get("decode_program", []) if st["kind"] == "graph"}
         # Prefill runs the same program at chunk rows when the CPU runs every prefill graph (the CPU provider, or a
         # placement that keeps prefill off the NPU) and its graphs have those instances (bundles before them do not);
         # otherwise the chunk program, whose quantized graphs run on the HTP.
-        self._cpu_prefill = (self._decode_program is not None
-                             and (self.provider == "cpu" or all(self._placement["prefill"].get(st["name"], "npu") == "cpu"
-                                                                 for st in self.program if st["kind"] == "graph"))
+        self._cpu_prefill = (self._decode_program is not None and self._on_cpu("prefill")
                              and all(str(self.chunk) in self.graphs[n]["instances"] for n in self._decode_graphs))
-        if self._cpu_prefill:
-            self._cpu_tail = self._downstream_of_select(self._decode_program)
-            self._cpu_uses: dict[str, int] = {}  # readers of each value in a chunk, for freeing it after the last one
-            for st in self._decode_program:
-                for v in st["inputs"]:
-                    self._cpu_uses[v] = self._cpu_uses.get(v, 0) + 1
         self._bound: dict[tuple[str, int], BoundGraph] = {}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
@@ -238,12 +227,30 @@ class Session:
         (``outlier_counts``); the CPU program corrects inside its graphs, uncounted."""
         return bool(self.outlier_counts) and not self._cpu_prefill
 
-    def _decode_on_cpu(self) -> bool:
-        """Whether every decode graph runs on the CPU: the provider is ``cpu``, or the
-        placement keeps decode off the NPU."""
+    def _on_cpu(self, phase: str) -> bool:
+        """Whether every graph of ``phase`` runs on the CPU: the provider is ``cpu``, or the
+        placement keeps the phase off the NPU."""
         if self.provider == "cpu":
             return True
-        return all(self._placement["decode"].get(st["name"], "npu") == "cpu" for st in self.program if st["kind"] == "graph")
+        return all(self._placement[phase].get(st["name"], "npu") == "cpu" for st in self.program if st["kind"] == "graph")
+
+    @staticmethod
+    def _readers(program: list[dict[str, Any]], skip: set[int] = frozenset()) -> dict[str, int]:
+        """How many steps of ``program`` (but those in ``skip``) read each value."""
+        uses: dict[str, int] = {}
+        for i, st in enumerate(program):
+            if i not in skip:
+                for v in st["inputs"]:
+                    uses[v] = uses.get(v, 0) + 1
+        return uses
+
+    def _chunk_feeds(self, ids: np.ndarray, i: int, start0: int) -> tuple[dict[str, np.ndarray], int]:
+        """The inputs of chunk ``i`` of ``ids`` (the last one zero-padded to C rows) and its real row count."""
+        C = self.chunk
+        part = ids[i * C : (i + 1) * C]
+        padded = np.zeros(C, np.int64)
+        padded[: len(part)] = part
+        return self._feeds(padded, start0 + i * C), len(part)
 
     @staticmethod
     def _downstream_of_select(program: list[dict[str, Any]]) -> set[int]:
@@ -427,13 +434,8 @@ class Session:
         C = self.chunk
         start0 = self.position
         k = -(-len(ids) // C)
-        bufs, ns = [], []
-        for i in range(k):
-            part = ids[i * C : (i + 1) * C]
-            padded = np.zeros(C, np.int64)
-            padded[: len(part)] = part
-            bufs.append(self._feeds(padded, start0 + i * C))
-            ns.append(len(part))
+        chunks = [self._chunk_feeds(ids, i, start0) for i in range(k)]
+        bufs, ns = [b for b, _ in chunks], [n for _, n in chunks]
         keep = set(self._head_inputs)
         left = [dict(self._uses) for _ in range(k)]
         for i, j in self._order(k):
@@ -465,16 +467,13 @@ class Session:
         logits = self.io["logits"]
         out = []
         for i in range(-(-len(ids) // C)):
-            part = ids[i * C : (i + 1) * C]
-            padded = np.zeros(C, np.int64)
-            padded[: len(part)] = part
-            buf = self._feeds(padded, start0 + i * C)
+            buf, n = self._chunk_feeds(ids, i, start0)
             rows = logits_for[i]
             uses = dict(self._cpu_uses)
             for j, s in enumerate(self._decode_program):
                 if rows is None and j in self._cpu_tail:
                     continue
-                self._run_step(s, buf, start0 + i * C, len(part), rows, "prefill")
+                self._run_step(s, buf, start0 + i * C, n, rows, "prefill")
                 for v in s["inputs"]:  # a chunk's activations live until their last reader, as in the chunk program
                     uses[v] -= 1
                     if uses[v] == 0 and v != logits:
