@@ -191,9 +191,10 @@ class ScheduleSteps(Pass):
         cpu_program_s = None
         if dp is not None and one_processor and all(c in sub.row_counts for sub in dp.subgraphs):
             # the runtime prefills through the CPU program, chunk by chunk (its head steps are head_s's)
-            body = [s for j, s in enumerate(dp.steps) if j not in head_steps(graph, dp)]
-            cpu_program_s = sum(cm.step_seconds(s, c, min(c, tokens - i * c), i * c + min(c, tokens - i * c), "cpu")
-                                for i in range(k_prompt) for s in body)
+            tail = head_steps(graph, dp)
+            body = [s for j, s in enumerate(dp.steps) if j not in tail]
+            rows = [min(c, tokens - i * c) for i in range(k_prompt)]  # real rows of each chunk
+            cpu_program_s = sum(cm.step_seconds(s, c, n, i * c + n, "cpu") for i, n in enumerate(rows) for s in body)
         ino, ooo = report
         log.info("schedule (%s, %d tokens): in-order %.1f ms (NPU bubbles %.0f%%), out-of-order %.1f ms (%.0f%%); decode %.2f ms/token",
                  cm.profile.name, tokens, ino.makespan_s * 1e3, ino.npu_bubble_rate * 100, ooo.makespan_s * 1e3, ooo.npu_bubble_rate * 100, decode_s * 1e3)
