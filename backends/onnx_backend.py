@@ -99,7 +99,6 @@ class _Builder:
         self.nodes: list[Any] = []
         self.consts: list[Any] = []
         self.used_weights: list[str] = []
-        self.domains: set[str] = set()
         self.block_sum_values: set[str] = set()
         self.scalar_weights: set[str] = set()  # one-element weights used as per-tensor quantization scales
         self.values = {}
@@ -153,9 +152,8 @@ class _Builder:
             out_f, nb, _ = qw.shape
             block, bits = a["block_size"], a["bits"]
             ins = x + [self.weight(qw), self.weight(n.weights["scales"])]
-            self.nodes.append(self.helper.make_node("MatMulNBits", ins, [f"{n.name}.codes"], name=n.name, domain=MS_DOMAIN, K=nb * block, N=out_f, bits=bits,
-                                                    block_size=block, accuracy_level=4 if self.rows == 1 or bits == 8 else 0))
-            self.domains.add(MS_DOMAIN)
+            self.add("MatMulNBits", ins, [f"{n.name}.codes"], n.name, domain=MS_DOMAIN, K=nb * block, N=out_f, bits=bits,
+                     block_size=block, accuracy_level=4 if self.rows == 1 or bits == 8 else 0)
             # one Gemm adds the offsets' term to the codes' product: C = the MatMulNBits result
             self.add("Gemm", [self.block_sums(x[0], nb, block), self.weight(n.weights["offsets"]), f"{n.name}.codes"],
                      [f"{n.name}.sum"] if "bias" in n.weights else y, f"{n.name}.offset")
@@ -278,7 +276,8 @@ class _Builder:
             [self.value_info(n) for n in self.sub.outputs],
             inits + self.consts,
         )
-        opsets = [self.helper.make_opsetid("", OPSET)] + [self.helper.make_opsetid(d, 1) for d in sorted(self.domains)]
+        domains = sorted({node.domain for node in self.nodes if node.domain})  # contrib ops (MatMulNBits)
+        opsets = [self.helper.make_opsetid("", OPSET)] + [self.helper.make_opsetid(d, 1) for d in domains]
         model = self.helper.make_model(g, opset_imports=opsets, producer_name="llmc", producer_version=__version__)
         model.ir_version = 10
         return model

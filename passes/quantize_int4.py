@@ -106,7 +106,6 @@ def logits_linear(graph: Graph):
     return None
 
 
-
 WEIGHT_FORMATS = ("float32", "int4")  # --weights of compile and plan
 
 
