@@ -65,7 +65,8 @@ def cli(verbose: int) -> None:
 @click.option("--qnn-shard-graphs", type=click.IntRange(1), default=None,
               help="[npu] Most graph instances per QNN context binary (default 64; bounds the host memory of preparing it).")
 @click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True,
-              help="[cpu] Weight format: float32, or int4 (weight-only, blocks of 32 weights with a scale and an offset, llama.cpp's Q4_1 grid; float activations).")
+              help="[cpu] Weight format: float32, or int4 (weight-only, blocks of 32 weights with a scale and an offset, llama.cpp's Q4_1 grid, "
+                   "the LM head at 8 bits; float activations; not with --memory-budget).")
 @click.option("--mlir-dialect", type=click.Choice(["tosa", "linalg"]), default="tosa", show_default=True, help="[mlir] Dialect of the emitted modules.")
 @click.option("--repro-dir", type=click.Path(file_okay=False), default=None, help="[mlir] Where lowering reproducers go (default: llmc-repro/ next to -o).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C (rows of the shared static graphs).")

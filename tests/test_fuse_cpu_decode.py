@@ -164,6 +164,19 @@ def test_cpu_prefill_runs_the_cpu_program(npu_bundle, model_dirs, calib_words, m
     assert sum(old.outlier_counts.values()) > 0  # the chunk program's Python corrections ran
 
 
+def test_cpu_program_follows_the_placement_off_the_cpu_provider(npu_bundle):
+    """With the QNN provider a phase runs the CPU program only when its placement keeps every graph on the CPU."""
+    from llmc.runtime import Session
+
+    s = Session(npu_bundle, "cpu", lazy=True)
+    s.provider = "qnn"
+    graphs = [st["name"] for st in s.program if st["kind"] == "graph"]
+    s._placement = {"prefill": {g: "cpu" for g in graphs}, "decode": {g: "npu" for g in graphs}}
+    assert s._on_cpu("prefill") and not s._on_cpu("decode")
+    s._placement["prefill"][graphs[1]] = "npu"
+    assert not s._on_cpu("prefill")
+
+
 def test_pass_on_a_planned_model_and_when_it_stands_aside(tmp_path):
     from conftest import plan_small
 
