@@ -49,7 +49,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from llmc import __version__
-from llmc.analyses import ChunkPlan, DecodePlan, Subgraph
+from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, Subgraph
 from llmc.errors import UnsupportedModelError
 from llmc.ir import Graph, Node, WeightRef
 
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 OPSET = 23
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
 WEIGHTS_FILE = "weights/weights.bin"
+DECODE_SEQLENS, DECODE_TOTAL = "seqlens_k", "total_len"  # the decode graph's cache-length inputs
 ALIGN = 64
 
 _NP_TO_ONNX = {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6, "int64": 7, "float16": 10}
@@ -101,6 +102,8 @@ class _Builder:
         self.used_weights: list[str] = []
         self.block_sum_values: set[str] = set()
         self.scalar_weights: set[str] = set()  # one-element weights used as per-tensor quantization scales
+        self.extra_inputs: list[Any] = []  # graph inputs and outputs beyond the subgraph's values (the decode graph's caches)
+        self.extra_outputs: list[Any] = []
         self.values = {}
         for n in (graph.node(x) for x in sub.nodes):
             for v in list(n.inputs) + list(n.outputs):
@@ -272,8 +275,8 @@ class _Builder:
         g = self.helper.make_graph(
             self.nodes,
             f"{self.sub.name}_r{self.rows}",
-            [self.value_info(n) for n in self.sub.inputs] + weight_inputs,
-            [self.value_info(n) for n in self.sub.outputs],
+            [self.value_info(n) for n in self.sub.inputs] + self.extra_inputs + weight_inputs,
+            [self.value_info(n) for n in self.sub.outputs] + self.extra_outputs,
             inits + self.consts,
         )
         domains = sorted({node.domain for node in self.nodes if node.domain})  # contrib ops (MatMulNBits)
@@ -281,6 +284,110 @@ class _Builder:
         model = self.helper.make_model(g, opset_imports=opsets, producer_name="llmc", producer_version=__version__)
         model.ir_version = 10
         return model
+
+
+def packed_qkv(attn: Node):
+    """The fused projection whose consecutive column slices are ``attn``'s q, k and v (all of it), or None."""
+    a = attn.attrs
+    hd, kvd = a["num_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"]
+    slices = [v.producer for v in attn.inputs[:3]]
+    if any(p is None or p.op != "Slice" for p in slices):
+        return None
+    src = slices[0].inputs[0]
+    if any(p.inputs[0] is not src for p in slices) or src.shape[-1] != hd + 2 * kvd:
+        return None
+    if [(p.attrs["start"], p.attrs["end"]) for p in slices] != [(0, hd), (hd, hd + kvd), (hd + kvd, hd + 2 * kvd)]:
+        return None
+    return src
+
+
+class _DecodeBuilder(_Builder):
+    """The whole model at one row (:class:`~llmc.analyses.DecodeGraph`): the static ops as
+    :class:`_Builder` lowers them, and the dynamic ones as ONNX ops, attention as
+    ``GroupQueryAttention`` over caches that are graph inputs and outputs (``past_key.L`` /
+    ``present_key.L`` ``[1, kv heads, max_context, head dim]``, bound to the same memory by
+    the runtime), with the token's cache length as ``seqlens_k`` (``[1]``, int32) and
+    ``total_len`` (scalar, int32 = seqlens_k + 1)."""
+
+    def __init__(self, graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str, Any]], fed: frozenset[str]) -> None:
+        super().__init__(graph, dg.subgraph, 1, weights, fed)
+        from onnx import TensorProto
+
+        self.dg = dg
+        self.capacity = dg.cos.shape[0]
+        self.const("rotary.cos_cache", dg.cos)
+        self.const("rotary.sin_cache", dg.sin)
+        vi = self.helper.make_tensor_value_info
+        self.extra_inputs += [vi(DECODE_SEQLENS, TensorProto.INT32, [1]), vi(DECODE_TOTAL, TensorProto.INT32, [])]
+        for layer, kv, d in dg.layers:
+            shape = [1, kv, self.capacity, d]
+            self.extra_inputs += [vi(f"past_key.{layer}", TensorProto.FLOAT, shape), vi(f"past_value.{layer}", TensorProto.FLOAT, shape)]
+            self.extra_outputs += [vi(f"present_key.{layer}", TensorProto.FLOAT, shape), vi(f"present_value.{layer}", TensorProto.FLOAT, shape)]
+
+    def lower(self, n: Node) -> None:
+        x = [v.name for v in n.inputs]
+        y = [v.name for v in n.outputs]
+        a, p = n.attrs, n.name
+        if n.op == "Embedding":
+            out = y if a["scale"] == 1.0 else [f"{p}.rows"]
+            self.add("Gather", [self.weight(n.weights["table"]), x[0]], out, p, axis=0)
+            if a["scale"] != 1.0:
+                self.add("Mul", [out[0], self.const(f"{p}.scale", np.array(a["scale"], np.float32))], y, f"{p}.scale")
+        elif n.op == "BlockEmbedding":
+            self.block_embedding(n, x[0], y[0])
+        elif n.op == "Attention":
+            layer = a["layer"]
+            s3 = self.const(f"{p}.shape3", np.array([1, 1, -1], np.int64))
+            packed = packed_qkv(n)  # q, k and v are slices of one fused projection: the node takes it whole
+            qkv = [packed.name] if packed is not None else x[:3]
+            for v in qkv:
+                self.add("Reshape", [v, s3], [f"{v}.bsd"], f"{v}.bsd")
+            ins = [f"{v}.bsd" for v in qkv] + ([""] * 2 if packed is not None else [])
+            ins += [f"past_key.{layer}", f"past_value.{layer}", DECODE_SEQLENS, DECODE_TOTAL, "rotary.cos_cache", "rotary.sin_cache"]
+            self.add("GroupQueryAttention", ins, [f"{p}.bsd", f"present_key.{layer}", f"present_value.{layer}"], p, domain=MS_DOMAIN,
+                     num_heads=a["num_heads"], kv_num_heads=a["num_kv_heads"], scale=float(a["scale"]), do_rotary=1, rotary_interleaved=0)
+            self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([1, -1], np.int64))], y, f"{p}.rows")
+        elif n.op == "SelectRows":
+            self.add("Identity", x, y, p)  # the one row is the row that needs logits
+        elif n.op == "Slice" and all(u.op == "Attention" and packed_qkv(u) is not None for u, _ in n.outputs[0].uses):
+            pass  # read only by attention nodes that take the fused projection packed
+        else:
+            super().lower(n)
+
+    def block_embedding(self, n: Node, ids: str, out: str) -> None:
+        """Rows ``ids`` of block-quantized weights, dequantized (``runtime.kernels.block_embedding``'s arithmetic)."""
+        a, p = n.attrs, n.name
+        qw, sc, off = n.weights["qweight"], n.weights["scales"], n.weights["offsets"]
+        _, nb, width = qw.shape
+        bits = a["bits"]
+        self.add("Gather", [self.weight(qw), ids], [f"{p}.codes"], f"{p}.codes", axis=0)  # [1, nb, width] uint8
+        codes = f"{p}.codes"
+        if bits == 4:  # low nibble first
+            last = self.const(f"{p}.last", np.array([-1], np.int64))
+            self.add("BitwiseAnd", [codes, self.const(f"{p}.mask", np.array(15, np.uint8))], [f"{p}.lo"], f"{p}.lo")
+            self.add("BitShift", [codes, self.const(f"{p}.four", np.array(4, np.uint8))], [f"{p}.hi"], f"{p}.hi", direction="RIGHT")
+            self.add("Unsqueeze", [f"{p}.lo", last], [f"{p}.lo1"], f"{p}.lo1")
+            self.add("Unsqueeze", [f"{p}.hi", last], [f"{p}.hi1"], f"{p}.hi1")
+            self.add("Concat", [f"{p}.lo1", f"{p}.hi1"], [f"{p}.pairs"], f"{p}.pairs", axis=-1)
+            self.add("Reshape", [f"{p}.pairs", self.const(f"{p}.unpacked", np.array([1, nb, 2 * width], np.int64))], [f"{p}.nibbles"], f"{p}.nibbles")
+            codes = f"{p}.nibbles"
+        self.add("Cast", [codes], [f"{p}.q"], f"{p}.q", to=1)
+        self.add("Sub", [f"{p}.q", self.const(f"{p}.zero", np.array(1 << (bits - 1), np.float32))], [f"{p}.c"], f"{p}.c")
+        # the scales of row t are scales[t * nb : (t + 1) * nb]; its offsets are column t of offsets [nb, V]
+        self.add("Unsqueeze", [ids, self.const(f"{p}.axis1", np.array([1], np.int64))], [f"{p}.ids2"], f"{p}.ids2")
+        self.add("Mul", [f"{p}.ids2", self.const(f"{p}.nb", np.array(nb, np.int64))], [f"{p}.base"], f"{p}.base")
+        self.add("Add", [f"{p}.base", self.const(f"{p}.blocks", np.arange(nb, dtype=np.int64))], [f"{p}.sidx"], f"{p}.sidx")
+        self.add("Gather", [self.weight(sc), f"{p}.sidx"], [f"{p}.s"], f"{p}.s", axis=0)  # [1, nb]
+        self.add("Gather", [self.weight(off), ids], [f"{p}.o"], f"{p}.o", axis=1)  # [nb, 1]
+        col = self.const(f"{p}.col", np.array([1, nb, 1], np.int64))
+        self.add("Reshape", [f"{p}.s", col], [f"{p}.s3"], f"{p}.s3")
+        self.add("Reshape", [f"{p}.o", col], [f"{p}.o3"], f"{p}.o3")
+        self.add("Mul", [f"{p}.c", f"{p}.s3"], [f"{p}.cs"], f"{p}.cs")
+        scaled = a["scale"] != 1.0
+        self.add("Add", [f"{p}.cs", f"{p}.o3"], [f"{p}.w"], f"{p}.w")
+        self.add("Reshape", [f"{p}.w", self.const(f"{p}.row", np.array([1, -1], np.int64))], [f"{p}.rows"] if scaled else [out], f"{p}.rows")
+        if scaled:
+            self.add("Mul", [f"{p}.rows", self.const(f"{p}.scale", np.array(a["scale"], np.float32))], [out], f"{p}.scale")
 
 
 def _check(model, root: Path) -> None:
@@ -309,31 +416,51 @@ def emit_graphs(graph: Graph, plan: ChunkPlan | DecodePlan, weights: dict[str, d
     (listed under ``"fed"``).
     """
 
-    (root / "graphs").mkdir(parents=True, exist_ok=True)
     table: dict[str, dict[str, Any]] = {}
     for sub in plan.subgraphs:
-        instances = {}
-        for rows in sub.row_counts:
-            b = _Builder(graph, sub, rows, weights, streamed | fed)
-            model = b.build()
-            _check(model, root)
-            rel = f"graphs/{sub.name}.r{rows}.onnx"
-            (root / rel).write_bytes(model.SerializeToString(deterministic=True))
-            instances[str(rows)] = {"file": rel, "rows": rows}
-            used = b.used_weights  # the same for every instance; a node may hold weights its lowering does not read
-        vals = {v.name: v for n in (graph.node(x) for x in sub.nodes) for v in list(n.inputs) + list(n.outputs)}
-        table[sub.name] = {
-            "placement": placement,
-            "nodes": len(sub.nodes),
-            "ops": sorted({graph.node(x).op for x in sub.nodes}),
-            "inputs": [{"name": n, "features": vals[n].shape[1], "dtype": vals[n].dtype} for n in sub.inputs],
-            "outputs": [{"name": n, "features": vals[n].shape[1], "dtype": vals[n].dtype} for n in sub.outputs],
-            "weights": used,
-            "weight_bytes": sum(weights[w]["nbytes"] for w in used),
-            "instances": instances,
-        }
-        for key, names in (("streamed", streamed), ("fed", fed)):
-            mine = [w for w in used if w in names]
-            if mine:
-                table[sub.name][key] = mine
+        builders = [_Builder(graph, sub, rows, weights, streamed | fed) for rows in sub.row_counts]
+        table[sub.name] = _write(graph, sub, builders, weights, root, placement, streamed, fed)
     return table
+
+
+def emit_decode_graph(graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str, Any]], root: Path,
+                      fed: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
+    """Write the one-graph decode (:class:`~llmc.analyses.DecodeGraph`); return its ``graphs`` entry.
+
+    Its manifest entry also lists the graph's cache-length inputs and, per layer,
+    the names of its past and present K/V (``"kv"``)."""
+    entry = _write(graph, dg.subgraph, [_DecodeBuilder(graph, dg, weights, fed)], weights, root, "cpu", frozenset(), fed)
+    entry["kv"] = [{"layer": layer, "past_key": f"past_key.{layer}", "past_value": f"past_value.{layer}",
+                    "present_key": f"present_key.{layer}", "present_value": f"present_value.{layer}"} for layer, _, _ in dg.layers]
+    entry["seqlens"], entry["total_len"] = DECODE_SEQLENS, DECODE_TOTAL
+    return {dg.subgraph.name: entry}
+
+
+def _write(graph: Graph, sub: Subgraph, builders: list[_Builder], weights: dict[str, dict[str, Any]], root: Path, placement: str,
+           streamed: frozenset[str], fed: frozenset[str]) -> dict[str, Any]:
+    """Build, check and write ``sub``'s instances (one builder per row count); return its ``graphs`` entry."""
+    (root / "graphs").mkdir(parents=True, exist_ok=True)
+    instances = {}
+    for b in builders:
+        model = b.build()
+        _check(model, root)
+        rel = f"graphs/{sub.name}.r{b.rows}.onnx"
+        (root / rel).write_bytes(model.SerializeToString(deterministic=True))
+        instances[str(b.rows)] = {"file": rel, "rows": b.rows}
+    used = builders[0].used_weights  # the same for every instance; a node may hold weights its lowering does not read
+    vals = {v.name: v for n in (graph.node(x) for x in sub.nodes) for v in list(n.inputs) + list(n.outputs)}
+    entry = {
+        "placement": placement,
+        "nodes": len(sub.nodes),
+        "ops": sorted({graph.node(x).op for x in sub.nodes}),
+        "inputs": [{"name": n, "features": vals[n].shape[1] if len(vals[n].shape) > 1 else 1, "dtype": vals[n].dtype} for n in sub.inputs],
+        "outputs": [{"name": n, "features": vals[n].shape[1], "dtype": vals[n].dtype} for n in sub.outputs],
+        "weights": used,
+        "weight_bytes": sum(weights[w]["nbytes"] for w in used),
+        "instances": instances,
+    }
+    for key, names in (("streamed", streamed), ("fed", fed)):
+        mine = [w for w in used if w in names]
+        if mine:
+            entry[key] = mine
+    return entry

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from llmc import __version__
-from llmc.analyses import ChunkPlan, DecodePlan
+from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan
 from llmc.errors import CompileError
 from llmc.pass_manager import CompileOptions, Instrument, ModelInputs, PassContext, format_pipeline, parse_pipeline, run_pipeline
 
@@ -170,12 +170,15 @@ def compile_model(
         graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu",
                                           streamed=frozenset(offload["streamed"]) if offload else frozenset(),
                                           fed=frozenset(offload["resident"]) if offload else frozenset())
+        # the corrections' float weights are inputs of the CPU's graphs: ONNX Runtime reads every initializer when it
+        # loads a graph, which would page in all of them; fed by pointer, only the rows of outlier channels are touched
+        shadow_t = frozenset(n.weights["weight_t"].name for n in graph.find("ShadowOutliers"))
         decode_plan = ctx.get(DecodePlan) if ctx.has(DecodePlan) else None  # none under a budget (fuse_cpu_decode)
         if decode_plan is not None:  # the CPU's program (decode, and CPU prefill) (fuse_cpu_decode)
-            # the corrections' float weights are inputs: ONNX Runtime reads every initializer when it loads a graph,
-            # which would page in all of them; fed by pointer, only the rows of outlier channels are touched
-            shadow_t = frozenset(n.weights["weight_t"].name for n in graph.find("ShadowOutliers"))
             graphs.update(onnx_backend.emit_graphs(graph, decode_plan, weights, root, placement="cpu", fed=shadow_t))
+        decode_graph = ctx.get(DecodeGraph) if ctx.has(DecodeGraph) else None  # decode as one graph (fuse_decode_graph)
+        if decode_graph is not None:
+            graphs.update(onnx_backend.emit_decode_graph(graph, decode_graph, weights, root, fed=shadow_t))
         tok = _write_tokenizer(loaded, root)
         qnn = None
         if target == "npu":
@@ -208,6 +211,8 @@ def compile_model(
         }
         if decode_plan is not None:
             manifest["decode_program"] = _program(graph, decode_plan)
+        if decode_graph is not None:
+            manifest["decode_graph"] = decode_graph.subgraph.name
         predicted = predictions(ctx)
         manifest.update(_plan_sections(ctx, predicted))
         if mlir is not None:

@@ -11,6 +11,8 @@ from llmc.passes.chunk_static_graphs import ChunkStaticGraphs
 from llmc.passes.dce import DeadCodeElimination
 from llmc.passes.extract_shadow_outliers import ExtractShadowOutliers
 from llmc.passes.fuse_cpu_decode import FuseCpuDecode
+from llmc.passes.fuse_decode_graph import FuseDecodeGraph
+from llmc.passes.fuse_sibling_linears import FuseSiblingLinears
 from llmc.passes.place import Place
 from llmc.passes.plan_offload import PlanOffload
 from llmc.passes.quantize import Quantize
@@ -18,23 +20,23 @@ from llmc.passes.quantize_int4 import QuantizeInt4
 from llmc.passes.schedule import ScheduleSteps
 from llmc.passes.select_logit_rows import SelectLogitRows
 
-ALL_PASSES = [DeadCodeElimination, Calibrate, ExtractShadowOutliers, Quantize, QuantizeInt4, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, Place, ScheduleSteps, PlanOffload,
+ALL_PASSES = [DeadCodeElimination, Calibrate, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
               AssumeShadowPlan]
 REGISTRY = {p.name: p for p in ALL_PASSES}
 
 # The pipeline each target runs when --pipeline is not given.
 DEFAULT_PIPELINES = {
-    "cpu": "dce,select_logit_rows,chunk_static_graphs,place,schedule,plan_offload",
+    "cpu": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # --target cpu --weights int4
-    "cpu-int4": "dce,select_logit_rows,quantize_int4,chunk_static_graphs,place,schedule,plan_offload",
-    "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,chunk_static_graphs,fuse_cpu_decode,place,schedule,plan_offload",
+    "cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
+    "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
     "mlir": "dce,select_logit_rows,chunk_static_graphs,place,schedule,plan_offload",
     # `llmc plan`: no weights, so no calibration; the program has the npu target's shape
     "plan-npu": "dce,select_logit_rows,assume_shadow_plan,quantize,chunk_static_graphs,fuse_cpu_decode,place,schedule,plan_offload",
-    "plan-cpu": "dce,select_logit_rows,chunk_static_graphs,place,schedule,plan_offload",
-    "plan-cpu-int4": "dce,select_logit_rows,quantize_int4,chunk_static_graphs,place,schedule,plan_offload",
+    "plan-cpu": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,place,schedule,plan_offload",
+    "plan-cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,chunk_static_graphs,place,schedule,plan_offload",
     # --target npu --soc S: every NPU tensor gets a QDQ range for the HTP
-    "npu-qnn": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,calibrate_ranges,chunk_static_graphs,fuse_cpu_decode,place,schedule,plan_offload",
+    "npu-qnn": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,calibrate_ranges,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
 }
 
 # What runs each of them (`llmc passes` prints it).

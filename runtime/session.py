@@ -26,6 +26,7 @@ import numpy as np
 
 from llmc.runtime import kernels
 from llmc.runtime.binding import BoundGraph
+from llmc.runtime.decode_graph import DecodeGraphRunner
 from llmc.runtime.errors import BundleError, PromptTooLongError, ProviderError
 from llmc.runtime.manifest import load_manifest, map_weights, resolve_inside
 from llmc.runtime.ort_attention import OrtAttention
@@ -186,6 +187,11 @@ class Session:
         # otherwise the chunk program, whose quantized graphs run on the HTP.
         self._cpu_prefill = (self._decode_program is not None and self._on_cpu("prefill")
                              and all(str(self.chunk) in self.graphs[n]["instances"] for n in self._decode_graphs))
+        # Decode as one graph call per token (fuse_decode_graph) when the CPU runs decode
+        self._decode_graph: str | None = m.get("decode_graph") if self._on_cpu("decode") else None
+        self._decode_runner: DecodeGraphRunner | None = None
+        heads = {self._head} | {st["name"] for i, st in enumerate(m.get("decode_program", [])) if i in self._downstream_of_select(m["decode_program"])}
+        self._one_row_heads = {n for n in heads if n is not None}  # one-row instances prefill's last-token logits use
         self._bound: dict[tuple[str, int], BoundGraph] = {}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
@@ -347,22 +353,43 @@ class Session:
         self._sessions[key] = (sess, "")
         return self._sessions[key]
 
+    def _runs_in(self, name: str, rows: int) -> str | None:
+        """The phase in which this session runs graph instance (``name``, ``rows``), or None if it never does."""
+        if name == self.manifest.get("decode_graph"):
+            return "decode" if name == self._decode_graph else None
+        if rows == 1 and name not in self._one_row_heads and self._decode_graph is not None:
+            return None  # decode is the one graph
+        if name in self._decode_graphs:  # the CPU program: decode, and prefill on the CPU
+            if self._decode_program is None or rows > 1 and not self._cpu_prefill:
+                return None
+            return "decode"
+        phase = "decode" if rows == 1 and name != self._head else "prefill"
+        if (phase == "decode" and self._decode_program is not None) or self._cpu_prefill:
+            return None  # the CPU program runs decode (and prefill on the CPU provider)
+        return phase
+
     def warmup(self) -> None:
         """Create every ONNX Runtime session now instead of on first use."""
         for name, g in self.graphs.items():
             for rows in g["instances"]:
-                phase = "decode" if int(rows) == 1 and name != self._head else "prefill"
-                if name in self._decode_graphs:
-                    if self._decode_program is None or int(rows) > 1 and not self._cpu_prefill:
-                        continue
-                    phase = "decode"
-                elif (phase == "decode" and self._decode_program is not None) or self._cpu_prefill:
-                    continue  # the CPU program runs decode (and prefill on the CPU provider)
-                self._session(name, int(rows), self._placement[phase].get(name, "npu"))
+                phase = self._runs_in(name, int(rows))
+                if phase is not None:
+                    self._session(name, int(rows), self._placement[phase].get(name, "npu"))
         self.reset()
+        if self._decode_graph is not None:
+            self._decode_graph_runner()
         for s in self.program:
             if s["kind"] == "op" and s["op"] == "Attention" and OrtAttention.supports(s["attrs"]):
                 self._attention.prepare(**s["attrs"])
+
+    def _decode_graph_runner(self) -> DecodeGraphRunner:
+        if self._decode_runner is None:
+            name = self._decode_graph
+            sess, _ = self._session(name, 1, "cpu")
+            vocab = self.graphs[name]["outputs"][0]["features"]
+            self._decode_runner = DecodeGraphRunner(self._ort, sess, self.graphs[name], self.cache, self._fed.get(name), self.io["input_ids"],
+                                                    self.io["logits"], vocab)
+        return self._decode_runner
 
     # -- execution -----------------------------------------------------------
     def reset(self) -> None:
@@ -557,11 +584,17 @@ class Session:
         return np.concatenate(out) if all_logits else out[-1][0]
 
     def decode(self, token: int) -> np.ndarray:
-        """Feed one token through the CPU decode program, or the program's one-row instances;
-        return its logits."""
+        """Feed one token through the decode graph (one call), the CPU decode program, or the
+        program's one-row instances; return its logits."""
         start = self.position
         if start + 1 > self.max_context:
             raise PromptTooLongError(f"sequence would reach {start + 1} tokens; this bundle was compiled with --max-context {self.max_context}")
+        if self._decode_graph is not None:
+            if self.cache is None:
+                self.reset()
+            logits = self._decode_graph_runner()(token, start)
+            self.position = start + 1
+            return logits
         if self.residency is not None:
             self.residency.streaming.schedule(self._all_steps, then_repeat=self._all_steps)
         buf = self._feeds(np.array([token], np.int64), start)

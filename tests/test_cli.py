@@ -26,7 +26,7 @@ def test_compile_run_inspect(model_dirs, tmp_path):
     assert r.exit_code == 0, r.output
     assert "wrote" in r.output and "] emit" in r.output and "chunk_static_graphs" in r.output
     assert re.search(r"peak RSS [1-9]\d* MB", r.output)
-    assert (tmp_path / "ir" / "03-chunk_static_graphs.ir").is_file()
+    assert (tmp_path / "ir" / "04-chunk_static_graphs.ir").is_file()
 
     r = invoke("run", out, "--prompt", "the quick brown fox", "--max-new-tokens", 5, "--no-eos", "--json")
     assert r.exit_code == 0, r.output

@@ -410,6 +410,7 @@ def test_plan_offload_bundle_runs_like_the_unbudgeted_one(pairs, tmp_path, model
     out = tmp_path / "budget"
     off = _compile_npu_budgeted(model_dirs, calib_words, out, "80%")
     assert off["streamed"] and off["resident_bytes"] + off["buffer_bytes"] <= off["budget_bytes"]
+    assert "decode_graph" not in json.loads((out / "manifest.json").read_text())  # weights stream per step of the chunk program
     _, ref_logits, ref_toks = _run(plain, True)
     for prefetch in (True, False):
         s, logits, toks = _run(out, prefetch)

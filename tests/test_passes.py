@@ -76,8 +76,8 @@ def test_chunk_plan_shares_graphs_and_cuts_at_dynamic_ops(lifted):
     assert all(s.row_counts == (8, 1) for s in plan.subgraphs)
     ops_in = {s.name: {g.node(n).op for n in s.nodes} for s in plan.subgraphs}
     assert all(g.node(n).schema.is_static for s in plan.subgraphs for n in s.nodes)
-    assert ops_in["block00"] == {"RMSNorm", "Linear"}  # norm + q/k/v
-    assert ops_in["block01"] == {"Linear", "Add", "RMSNorm", "Act", "Mul"}  # o_proj .. next q/k/v
+    assert ops_in["block00"] == {"RMSNorm", "Linear", "Slice"}  # norm + q/k/v (one matmul, sliced)
+    assert ops_in["block01"] == {"Linear", "Slice", "Add", "RMSNorm", "Act", "Mul"}  # o_proj .. next q/k/v
     # every weight of a static op belongs to exactly one subgraph
     owned = [w for s in plan.subgraphs for w in s.weights]
     assert len(owned) == len(set(owned))
@@ -129,7 +129,7 @@ def test_instruments_dump_and_time(lifted, tmp_path):
     run_pipeline(g, parse_pipeline(DEFAULT_PIPELINES["cpu"], REGISTRY), PassContext(CompileOptions(chunk=8, max_context=64)), [timing, dump])
     assert [r[0] for r in timing.rows] == DEFAULT_PIPELINES["cpu"].split(",")
     files = sorted(p.name for p in (tmp_path / "ir").iterdir())
-    assert files == ["00-input.ir", "01-dce.ir", "02-select_logit_rows.ir", "03-chunk_static_graphs.ir", "04-place.ir", "05-schedule.ir",
-                     "06-plan_offload.ir"]
+    assert files == ["00-input.ir", "01-dce.ir", "02-select_logit_rows.ir", "03-fuse_sibling_linears.ir", "04-chunk_static_graphs.ir",
+                     "05-fuse_decode_graph.ir", "06-place.ir", "07-schedule.ir", "08-plan_offload.ir"]
     assert "SelectRows" in (tmp_path / "ir" / "02-select_logit_rows.ir").read_text()
     assert "SelectRows" not in (tmp_path / "ir" / "01-dce.ir").read_text()

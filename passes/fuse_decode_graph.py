@@ -1,0 +1,103 @@
+"""fuse_decode_graph: decode on the CPU as one graph call per token.
+
+The CPU's decode program (``fuse_cpu_decode``, or the chunk program's one-row
+instances) still alternates graphs and attention: a SmolLM2 token makes 31 graph
+calls and 30 attention calls, and each call costs ONNX Runtime's per-run work
+and a Python step. This pass lowers the whole model into one one-row graph:
+
+- the embedding gather (``Embedding``, ``BlockEmbedding``) as ONNX ops;
+- each ``Attention`` as ONNX Runtime's ``GroupQueryAttention`` over that layer's
+  KV cache, which the runtime binds as both past and present input/output, so
+  the node appends the token's K/V row in place;
+- rotary embedding inside those nodes, from cos/sin tables of every position up
+  to ``--max-context`` computed here from the ``RotaryTable`` (the graph then
+  needs no positions: a token's position is the cache length);
+- ``SelectRows`` of the one row as the identity;
+- shadow corrections as ``fuse_cpu_decode`` lowers them.
+
+It applies when every dynamic op has such a lowering: attention without a sliding
+window whose rotary embedding covers the whole head (ONNX Runtime's node rotates
+all of it; head size a multiple of 16), one rotary table fed by the positions.
+Otherwise, or under a memory budget (weights stream per step of the chunk
+program), it logs why and leaves the decode program as it is. The bundle keeps
+the other programs: prefill, the QNN provider and older runtimes use them.
+
+Produces :class:`llmc.analyses.DecodeGraph`; the IR is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from llmc.analyses import DecodeGraph, Subgraph
+from llmc.ir import Graph
+from llmc.pass_manager import Pass, PassContext, PassResult
+
+log = logging.getLogger(__name__)
+
+LOWERED_DYNAMIC_OPS = ("Embedding", "BlockEmbedding", "RotaryTable", "Attention", "SelectRows", "ShadowOutliers")
+
+
+def why_not(graph: Graph) -> str | None:
+    """Why ``graph`` cannot be one decode graph, or None if it can."""
+    for n in graph.nodes:
+        if not n.schema.is_static and n.op not in LOWERED_DYNAMIC_OPS:
+            return f"op {n.op} (node {n.name}) has no one-graph lowering"
+    tables = graph.find("RotaryTable")
+    attns = graph.find("Attention")
+    if not attns:
+        return "the model has no attention"
+    if len(tables) != 1:
+        return f"the model has {len(tables)} rotary tables; one is supported"
+    table = tables[0]
+    if table.inputs[0].producer is not None:
+        return f"rotary table {table.name} does not read the positions input"
+    if any(u.name != table.name for u, _ in table.inputs[0].uses):
+        return f"the positions {table.inputs[0].name} are read by more than the rotary table"
+    for v in table.outputs:
+        if any(u.op != "Attention" for u, _ in v.uses):
+            return f"rotary table {table.name} is read by an op other than attention"
+    for n in attns:
+        a = n.attrs
+        if a["sliding_window"]:
+            return f"{n.name} uses a sliding window of {a['sliding_window']}"
+        if a["rotary_dim"] != a["head_dim"] or a["head_dim"] % 16:
+            return f"{n.name} rotates {a['rotary_dim']} of {a['head_dim']} head dims (the fused node rotates all of them, head size a multiple of 16)"
+        if len(n.inputs) != 5 or [v.name for v in n.inputs[3:]] != [v.name for v in table.outputs]:
+            return f"{n.name} does not take its rotation from {table.name}"
+    return None
+
+
+class FuseDecodeGraph(Pass):
+    name = "fuse_decode_graph"
+    summary = "decode on the CPU as one graph per token: the whole model, attention over the KV cache included"
+    requires = ()
+    produces = ()  # DecodeGraph, when the model allows it and there is no memory budget
+
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        if ctx.options.memory_budget:
+            log.info("%s: skipped, a budgeted bundle streams weights per step of the chunk program", self.name)
+            return PassResult(False)
+        reason = why_not(graph)
+        if reason is not None:
+            log.info("%s: skipped, %s; decode keeps one call per graph and per attention", self.name, reason)
+            return PassResult(False)
+        from llmc.runtime import kernels
+
+        table = graph.find("RotaryTable")[0]
+        inv_freq = np.asarray(graph.weights.load(table.weights["inv_freq"].name), np.float32)
+        cos, sin = kernels.rotary_table(np.arange(ctx.options.max_context), inv_freq, table.attrs["scaling"])
+        half = cos.shape[1] // 2  # rotate-half tables repeat their first half
+        nodes = tuple(n.name for n in graph.nodes if n.name != table.name)
+        weights: list[str] = []
+        for n in graph.nodes:
+            if n.name != table.name:
+                weights += [r.name for r in n.weights.values() if r.name not in weights]
+        ids = graph.inputs[0].name
+        sub = Subgraph("decode_model", nodes, (ids,), tuple(v.name for v in graph.outputs), tuple(weights), (1,))
+        layers = tuple((n.attrs["layer"], n.attrs["num_kv_heads"], n.attrs["head_dim"]) for n in graph.find("Attention"))
+        log.info("%s: one decode graph of %d nodes over %d KV caches", self.name, len(nodes), len(layers))
+        ctx.put(DecodeGraph(sub, table.name, np.ascontiguousarray(cos[:, :half]), np.ascontiguousarray(sin[:, :half]), layers))
+        return PassResult(False)

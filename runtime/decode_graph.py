@@ -1,0 +1,51 @@
+"""Decode as one ONNX Runtime call per token (the bundle's ``decode_graph``, from ``fuse_decode_graph``).
+
+The graph holds the whole model at one row, attention included. Everything is
+bound once: each layer's K and V cache arrays as both the past input and the
+present output (ONNX Runtime's ``GroupQueryAttention`` then appends the token's
+row in place), the token id, the two cache lengths and the logits buffer. A
+token costs writing three numbers, one ``run_with_iobinding`` and one copy of the
+logits (callers may keep them across tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from llmc.runtime import kernels
+
+
+class DecodeGraphRunner:
+    def __init__(self, ort: Any, session: Any, entry: dict[str, Any], cache: kernels.KVCache, constants: dict[str, np.ndarray] | None,
+                 ids_name: str, logits_name: str, vocab: int) -> None:
+        self._session = session
+        b = self._binding = session.io_binding()
+        self._keep: list[Any] = []  # the OrtValues over the cache arrays and the bound constants must outlive the binding
+        for kv in entry["kv"]:
+            layer = kv["layer"]
+            for past, present, arr in ((kv["past_key"], kv["present_key"], cache.k[layer]), (kv["past_value"], kv["present_value"], cache.v[layer])):
+                ov = ort.OrtValue.ortvalue_from_numpy(arr[None])  # a view: the node writes into the session's cache
+                self._keep.append(ov)
+                b.bind_ortvalue_input(past, ov)
+                b.bind_ortvalue_output(present, ov)
+        for name, a in (constants or {}).items():  # weights that are graph inputs (shadow tables)
+            a = np.ascontiguousarray(a)
+            self._keep.append(a)
+            b.bind_input(name, "cpu", 0, a.dtype.type, list(a.shape), a.ctypes.data)
+        self._token = np.zeros(1, np.int64)
+        self._seqlens = np.zeros(1, np.int32)
+        self._total = np.zeros((), np.int32)
+        for name, a in ((ids_name, self._token), (entry["seqlens"], self._seqlens), (entry["total_len"], self._total)):
+            b.bind_input(name, "cpu", 0, a.dtype.type, list(a.shape), a.ctypes.data)
+        self._logits = np.zeros((1, vocab), np.float32)
+        b.bind_output(logits_name, "cpu", 0, np.float32, [1, vocab], self._logits.ctypes.data)
+
+    def __call__(self, token: int, position: int) -> np.ndarray:
+        """The logits ``[vocab]`` of ``token`` at ``position`` (the cache holds the positions before it)."""
+        self._token[0] = token
+        self._seqlens[0] = position
+        self._total[()] = position + 1
+        self._session.run_with_iobinding(self._binding)
+        return self._logits[0].copy()
