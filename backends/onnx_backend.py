@@ -302,8 +302,8 @@ def packed_qkv(attn: Node):
 
 
 class _DecodeBuilder(_Builder):
-    """The whole model at one row (:class:`~llmc.analyses.DecodeGraph`): the static ops as
-    :class:`_Builder` lowers them, and the dynamic ones as ONNX ops, attention as
+    """The model after its embedding at one row (:class:`~llmc.analyses.DecodeGraph`): the static
+    ops as :class:`_Builder` lowers them, and the dynamic ones as ONNX ops, attention as
     ``GroupQueryAttention`` over caches that are graph inputs and outputs (``past_key.L`` /
     ``present_key.L`` ``[1, kv heads, max_context, head dim]``, bound to the same memory by
     the runtime), with the token's cache length as ``seqlens_k`` (``[1]``, int32) and
@@ -313,10 +313,17 @@ class _DecodeBuilder(_Builder):
         super().__init__(graph, dg.subgraph, 1, weights, fed)
         from onnx import TensorProto
 
+        from llmc.runtime import kernels
+
         self.dg = dg
-        self.capacity = dg.cos.shape[0]
-        self.const("rotary.cos_cache", dg.cos)
-        self.const("rotary.sin_cache", dg.sin)
+        self.capacity = dg.capacity
+        # cos/sin of every position, as the runtime's RotaryTable computes them
+        table = graph.node(dg.rotary)
+        inv_freq = np.asarray(graph.weights.load(table.weights["inv_freq"].name), np.float32)
+        cos, sin = kernels.rotary_table(np.arange(dg.capacity), inv_freq, table.attrs["scaling"])
+        half = cos.shape[1] // 2  # rotate-half tables repeat their first half
+        self.const("rotary.cos_cache", np.ascontiguousarray(cos[:, :half]))
+        self.const("rotary.sin_cache", np.ascontiguousarray(sin[:, :half]))
         vi = self.helper.make_tensor_value_info
         self.extra_inputs += [vi(DECODE_SEQLENS, TensorProto.INT32, [1]), vi(DECODE_TOTAL, TensorProto.INT32, [])]
         for layer, kv, d in dg.layers:
@@ -328,14 +335,7 @@ class _DecodeBuilder(_Builder):
         x = [v.name for v in n.inputs]
         y = [v.name for v in n.outputs]
         a, p = n.attrs, n.name
-        if n.op == "Embedding":
-            out = y if a["scale"] == 1.0 else [f"{p}.rows"]
-            self.add("Gather", [self.weight(n.weights["table"]), x[0]], out, p, axis=0)
-            if a["scale"] != 1.0:
-                self.add("Mul", [out[0], self.const(f"{p}.scale", np.array(a["scale"], np.float32))], y, f"{p}.scale")
-        elif n.op == "BlockEmbedding":
-            self.block_embedding(n, x[0], y[0])
-        elif n.op == "Attention":
+        if n.op == "Attention":
             layer = a["layer"]
             s3 = self.const(f"{p}.shape3", np.array([1, 1, -1], np.int64))
             packed = packed_qkv(n)  # q, k and v are slices of one fused projection: the node takes it whole
@@ -353,41 +353,6 @@ class _DecodeBuilder(_Builder):
             pass  # read only by attention nodes that take the fused projection packed
         else:
             super().lower(n)
-
-    def block_embedding(self, n: Node, ids: str, out: str) -> None:
-        """Rows ``ids`` of block-quantized weights, dequantized (``runtime.kernels.block_embedding``'s arithmetic)."""
-        a, p = n.attrs, n.name
-        qw, sc, off = n.weights["qweight"], n.weights["scales"], n.weights["offsets"]
-        _, nb, width = qw.shape
-        bits = a["bits"]
-        self.add("Gather", [self.weight(qw), ids], [f"{p}.codes"], f"{p}.codes", axis=0)  # [1, nb, width] uint8
-        codes = f"{p}.codes"
-        if bits == 4:  # low nibble first
-            last = self.const(f"{p}.last", np.array([-1], np.int64))
-            self.add("BitwiseAnd", [codes, self.const(f"{p}.mask", np.array(15, np.uint8))], [f"{p}.lo"], f"{p}.lo")
-            self.add("BitShift", [codes, self.const(f"{p}.four", np.array(4, np.uint8))], [f"{p}.hi"], f"{p}.hi", direction="RIGHT")
-            self.add("Unsqueeze", [f"{p}.lo", last], [f"{p}.lo1"], f"{p}.lo1")
-            self.add("Unsqueeze", [f"{p}.hi", last], [f"{p}.hi1"], f"{p}.hi1")
-            self.add("Concat", [f"{p}.lo1", f"{p}.hi1"], [f"{p}.pairs"], f"{p}.pairs", axis=-1)
-            self.add("Reshape", [f"{p}.pairs", self.const(f"{p}.unpacked", np.array([1, nb, 2 * width], np.int64))], [f"{p}.nibbles"], f"{p}.nibbles")
-            codes = f"{p}.nibbles"
-        self.add("Cast", [codes], [f"{p}.q"], f"{p}.q", to=1)
-        self.add("Sub", [f"{p}.q", self.const(f"{p}.zero", np.array(1 << (bits - 1), np.float32))], [f"{p}.c"], f"{p}.c")
-        # the scales of row t are scales[t * nb : (t + 1) * nb]; its offsets are column t of offsets [nb, V]
-        self.add("Unsqueeze", [ids, self.const(f"{p}.axis1", np.array([1], np.int64))], [f"{p}.ids2"], f"{p}.ids2")
-        self.add("Mul", [f"{p}.ids2", self.const(f"{p}.nb", np.array(nb, np.int64))], [f"{p}.base"], f"{p}.base")
-        self.add("Add", [f"{p}.base", self.const(f"{p}.blocks", np.arange(nb, dtype=np.int64))], [f"{p}.sidx"], f"{p}.sidx")
-        self.add("Gather", [self.weight(sc), f"{p}.sidx"], [f"{p}.s"], f"{p}.s", axis=0)  # [1, nb]
-        self.add("Gather", [self.weight(off), ids], [f"{p}.o"], f"{p}.o", axis=1)  # [nb, 1]
-        col = self.const(f"{p}.col", np.array([1, nb, 1], np.int64))
-        self.add("Reshape", [f"{p}.s", col], [f"{p}.s3"], f"{p}.s3")
-        self.add("Reshape", [f"{p}.o", col], [f"{p}.o3"], f"{p}.o3")
-        self.add("Mul", [f"{p}.c", f"{p}.s3"], [f"{p}.cs"], f"{p}.cs")
-        scaled = a["scale"] != 1.0
-        self.add("Add", [f"{p}.cs", f"{p}.o3"], [f"{p}.w"], f"{p}.w")
-        self.add("Reshape", [f"{p}.w", self.const(f"{p}.row", np.array([1, -1], np.int64))], [f"{p}.rows"] if scaled else [out], f"{p}.rows")
-        if scaled:
-            self.add("Mul", [f"{p}.rows", self.const(f"{p}.scale", np.array(a["scale"], np.float32))], [out], f"{p}.scale")
 
 
 def _check(model, root: Path) -> None:

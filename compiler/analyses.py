@@ -71,21 +71,21 @@ class DecodePlan:
 class DecodeGraph:
     """The whole model as one one-row graph for decode on the CPU (``fuse_decode_graph``).
 
-    ``subgraph`` holds every node; its dynamic ops are lowered too: the embedding
-    gather, attention as ONNX Runtime's ``GroupQueryAttention`` over the layer's KV
+    ``subgraph`` holds every node after the embedding gather (which the runtime runs
+    and feeds, reading one row of the table); its dynamic ops are lowered too:
+    attention as ONNX Runtime's ``GroupQueryAttention`` over the layer's KV
     cache (bound by the runtime as both past and present, so the node writes the new
     row in place and nothing is copied), and row selection (one row: the identity).
-    The attention nodes rotate q and k themselves from ``cos``/``sin`` tables of every
-    position up to the context (``[max_context, rotary_dim / 2]``, computed from the
-    ``RotaryTable`` node ``rotary``), so the graph reads no positions: a token's
-    position is the cache length the runtime passes. ``layers`` maps each attention
-    layer to its (kv heads, head dim), the cache it binds.
+    The attention nodes rotate q and k themselves from cos/sin tables of every
+    position below ``capacity`` (the backend computes them from the ``RotaryTable``
+    node ``rotary``), so the graph reads no positions: a token's position is the
+    cache length the runtime passes. ``layers`` lists each attention layer with its
+    (kv heads, head dim): the caches ``[1, kv heads, capacity, head dim]`` it binds.
     """
 
     subgraph: Subgraph
     rotary: str
-    cos: _np.ndarray
-    sin: _np.ndarray
+    capacity: int
     layers: tuple[tuple[int, int, int], ...]  # (layer, kv heads, head dim)
 
 

@@ -136,7 +136,7 @@ def compile(model, out, target, weights, soc, qnn_shard_mb, qnn_shard_graphs, ml
     if summary.qnn:
         click.echo(summary.qnn, err=True)
     click.echo(
-        f"wrote {summary.bundle}: {summary.graphs} static subgraphs ({summary.graph_files} ONNX files), "
+        f"wrote {summary.bundle}: {summary.graphs} static subgraphs{' and the decode graph' if summary.decode_graph else ''} ({summary.graph_files} ONNX files), "
         f"{summary.weight_bytes / 1e6:.1f} MB of weights, pipeline {summary.pipeline}, {time.perf_counter() - t0:.1f}s, "
         f"peak RSS {_peak_rss_mb():.0f} MB"
     )
@@ -342,6 +342,7 @@ def inspect(bundle, as_json, no_verify):
         "graph_file_bytes": graph_bytes,
         "program": [s["name"] if s["kind"] == "graph" else f"{s['op']}:{s['name']}" for s in m["program"]],
         "decode_program": [s["name"] if s["kind"] == "graph" else f"{s['op']}:{s['name']}" for s in m["decode_program"]] if "decode_program" in m else None,
+        "decode_graph": m.get("decode_graph"),
         "total_bytes": sum(f["bytes"] for f in files.values()),
         "qnn": _qnn_summary(m.get("qnn")),
         "mlir": sorted({e["dialect"] for g in (m.get("mlir") or {}).values() for e in g.values()}),
@@ -366,14 +367,22 @@ def inspect(bundle, as_json, no_verify):
     click.echo(f"target     {m['target']}   chunk {m['chunk']}   max-context {m['max_context']}")
     click.echo(f"pipeline   {m['pipeline']}")
     click.echo(f"weights    {len(m['weights'])} tensors, {weight_bytes / 1e6:.1f} MB, stored once in {', '.join(summary['weights']['files'])}")
-    click.echo(f"graphs     {len(m['graphs'])} static subgraphs, {sum(len(g['instances']) for g in m['graphs'].values())} ONNX files, {graph_bytes / 1e3:.1f} kB (weights not included)")
+    static = len(m["graphs"]) - (1 if m.get("decode_graph") else 0)
+    click.echo(f"graphs     {static} static subgraphs{' and the decode graph' if m.get('decode_graph') else ''}, "
+               f"{sum(len(g['instances']) for g in m['graphs'].values())} ONNX files, {graph_bytes / 1e3:.1f} kB (weights not included)")
     for name, g in summary["graphs"].items():
         click.echo(f"  {name:<10} rows {','.join(map(str, g['instances'])):<8} weights {g['weight_bytes'] / 1e6:8.2f} MB  "
                    f"in {', '.join(g['inputs'])}  out {', '.join(g['outputs'])}")
     steps = summary["program"]
     click.echo(f"program    {len(steps)} steps per chunk: {' -> '.join(steps[:8])}{' -> ...' if len(steps) > 8 else ''}")
     dsteps = summary["decode_program"]
-    if dsteps:
+    if summary["decode_graph"]:
+        g = m["graphs"][summary["decode_graph"]]
+        click.echo(f"decode     one call of {summary['decode_graph']} per token when the CPU decodes (fuse_decode_graph): {g['nodes']} nodes, "
+                   f"attention over {len(g['kv'])} KV caches inside")
+    if dsteps and summary["decode_graph"]:
+        click.echo(f"prefill    {len(dsteps)} steps per chunk when the CPU prefills (fuse_cpu_decode): {' -> '.join(dsteps[:6])} -> ...")
+    elif dsteps:
         click.echo(f"decode     {len(dsteps)} steps per token when the CPU decodes, per chunk when it prefills (fuse_cpu_decode): {' -> '.join(dsteps[:6])} -> ...")
     q = summary["qnn"]
     if q is not None:

@@ -28,11 +28,12 @@ STAGES = ("load", "trace", "lift", "passes", "emit", "qnn")
 class CompileSummary:
     bundle: Path
     pipeline: str
-    graphs: int
+    graphs: int  # the static subgraphs of the programs
     graph_files: int
     weight_bytes: int
     seconds: dict[str, float]
     qnn: str | None = None  # what happened to the QNN part, for the CLI
+    decode_graph: bool = False  # the bundle also has the one-graph decode (fuse_decode_graph)
 
 
 def default_pipeline(target: str) -> str:
@@ -231,13 +232,14 @@ def compile_model(
     return CompileSummary(
         Path(out),
         format_pipeline(passes),
-        len(graphs),
+        len(graphs) - (decode_graph is not None),
         sum(len(g["instances"]) for g in graphs.values()),
         sum(w["nbytes"] for w in weights.values()),
         seconds,
         None if qnn is None else (f"QNN part skipped: {qnn['skipped']}" if "skipped" in qnn else
                                   f"QNN HTP {qnn['htp_arch']} for {qnn['soc']}: {sum(len(b['files']) for b in qnn['binaries'])} context binaries, "
                                   f"{sum(b['bytes'] for b in qnn['binaries']) / 1e6:.1f} MB"),
+        decode_graph is not None,
     )
 
 

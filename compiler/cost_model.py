@@ -43,9 +43,11 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   offsets' Gemm, the block sums), ShadowOutliers lowered into a graph 8
   plus one per output and a split, everything else 1. At one row these fixed
   costs are a large part of a decode step.
-* Decode follows the program the runtime runs: the ``fuse_cpu_decode`` program
-  (:class:`~llmc.analyses.DecodePlan`) when every decode graph is placed on the
-  CPU, else the chunk program at one row.
+* Decode follows the program the runtime runs: when every decode graph is placed
+  on the CPU, the one-graph decode (:class:`~llmc.analyses.DecodeGraph`: one
+  launch, the kernels' fixed costs and every node, attention included) if there
+  is one, else the ``fuse_cpu_decode`` program (:class:`~llmc.analyses.DecodePlan`);
+  otherwise the chunk program at one row.
 * Weight I/O for streamed weights: ``bytes / storage.read_bytes_per_s``; a table
   row read on demand (embedding, shadow weights under a memory budget):
   ``storage.small_read_s + (row bytes - 4 KiB) / storage.read_bytes_per_s``.
@@ -56,7 +58,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from llmc.analyses import ChunkPlan, DecodePlan, ShadowPlan, Step, Subgraph
+from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, ShadowPlan, Step, Subgraph
 from llmc.device_profile import DeviceProfile
 from llmc.ir import Graph, Node
 from llmc.runtime.session import ONE_THREAD_BYTES
@@ -81,18 +83,29 @@ class CostModel:
     shadow: ShadowPlan | None = None
     quantized: bool = False
     decode_plan: DecodePlan | None = None
+    decode_graph: DecodeGraph | None = None
 
     @functools.cached_property
     def _subgraphs(self) -> dict[str, Subgraph]:
         subs = list(self.plan.subgraphs) + (list(self.decode_plan.subgraphs) if self.decode_plan is not None else [])
+        if self.decode_graph is not None:
+            subs.append(self.decode_graph.subgraph)
         return {s.name: s for s in subs}
+
+    def decode_graph_seconds(self, keys: int) -> float | None:
+        """One decode step through the one-graph decode (``fuse_decode_graph``), or None without one:
+        one launch, the kernels' fixed costs and every node, attention over ``keys`` keys included."""
+        if self.decode_graph is None:
+            return None
+        sub = self.decode_graph.subgraph
+        return self.step_seconds(Step("graph", sub.name, sub.inputs, sub.outputs), 1, 1, keys, "cpu")
 
     @functools.cached_property
     def _nodes(self) -> dict[str, Node]:
         return {n.name: n for n in self.graph.nodes}
 
     def subgraph(self, name: str) -> Subgraph:
-        """A subgraph of the chunk program or of the CPU decode program."""
+        """A subgraph of the chunk program, of the CPU decode program or the decode graph."""
         return self._subgraphs[name]
 
     # -- nodes -----------------------------------------------------------------

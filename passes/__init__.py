@@ -30,11 +30,11 @@ DEFAULT_PIPELINES = {
     # --target cpu --weights int4
     "cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
-    "mlir": "dce,select_logit_rows,chunk_static_graphs,place,schedule,plan_offload",
+    "mlir": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # `llmc plan`: no weights, so no calibration; the program has the npu target's shape
-    "plan-npu": "dce,select_logit_rows,assume_shadow_plan,quantize,chunk_static_graphs,fuse_cpu_decode,place,schedule,plan_offload",
-    "plan-cpu": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,place,schedule,plan_offload",
-    "plan-cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,chunk_static_graphs,place,schedule,plan_offload",
+    "plan-npu": "dce,select_logit_rows,assume_shadow_plan,quantize,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
+    "plan-cpu": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
+    "plan-cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # --target npu --soc S: every NPU tensor gets a QDQ range for the HTP
     "npu-qnn": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,calibrate_ranges,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
 }

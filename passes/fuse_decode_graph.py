@@ -5,15 +5,18 @@ instances) still alternates graphs and attention: a SmolLM2 token makes 31 graph
 calls and 30 attention calls, and each call costs ONNX Runtime's per-run work
 and a Python step. This pass lowers the whole model into one one-row graph:
 
-- the embedding gather (``Embedding``, ``BlockEmbedding``) as ONNX ops;
 - each ``Attention`` as ONNX Runtime's ``GroupQueryAttention`` over that layer's
   KV cache, which the runtime binds as both past and present input/output, so
   the node appends the token's K/V row in place;
 - rotary embedding inside those nodes, from cos/sin tables of every position up
-  to ``--max-context`` computed here from the ``RotaryTable`` (the graph then
-  needs no positions: a token's position is the cache length);
+  to ``--max-context`` that the backend computes from the ``RotaryTable`` (the
+  graph then needs no positions: a token's position is the cache length);
 - ``SelectRows`` of the one row as the identity;
 - shadow corrections as ``fuse_cpu_decode`` lowers them.
+
+The embedding gather stays outside, as in the other programs: the runtime
+gathers the token's row from the memory-mapped table and feeds it (in the graph,
+ONNX Runtime would read the whole float table, 113 MB for SmolLM2's W8A8 bundle).
 
 It applies when every dynamic op has such a lowering: attention without a sliding
 window whose rotary embedding covers the whole head (ONNX Runtime's node rotates
@@ -29,21 +32,23 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
 from llmc.analyses import DecodeGraph, Subgraph
 from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
 
 log = logging.getLogger(__name__)
 
-LOWERED_DYNAMIC_OPS = ("Embedding", "BlockEmbedding", "RotaryTable", "Attention", "SelectRows", "ShadowOutliers")
+EMBEDDINGS = ("Embedding", "BlockEmbedding")  # run by the runtime before the graph
+LOWERED_DYNAMIC_OPS = ("RotaryTable", "Attention", "SelectRows", "ShadowOutliers")
 
 
 def why_not(graph: Graph) -> str | None:
     """Why ``graph`` cannot be one decode graph, or None if it can."""
     for n in graph.nodes:
-        if not n.schema.is_static and n.op not in LOWERED_DYNAMIC_OPS:
+        if n.op in EMBEDDINGS:
+            if n.inputs[0] is not graph.inputs[0]:
+                return f"embedding {n.name} does not read the token ids"
+        elif not n.schema.is_static and n.op not in LOWERED_DYNAMIC_OPS:
             return f"op {n.op} (node {n.name}) has no one-graph lowering"
     tables = graph.find("RotaryTable")
     attns = graph.find("Attention")
@@ -84,20 +89,14 @@ class FuseDecodeGraph(Pass):
         if reason is not None:
             log.info("%s: skipped, %s; decode keeps one call per graph and per attention", self.name, reason)
             return PassResult(False)
-        from llmc.runtime import kernels
-
         table = graph.find("RotaryTable")[0]
-        inv_freq = np.asarray(graph.weights.load(table.weights["inv_freq"].name), np.float32)
-        cos, sin = kernels.rotary_table(np.arange(ctx.options.max_context), inv_freq, table.attrs["scaling"])
-        half = cos.shape[1] // 2  # rotate-half tables repeat their first half
-        nodes = tuple(n.name for n in graph.nodes if n.name != table.name)
+        members = [n for n in graph.nodes if n.name != table.name and n.op not in EMBEDDINGS]
         weights: list[str] = []
-        for n in graph.nodes:
-            if n.name != table.name:
-                weights += [r.name for r in n.weights.values() if r.name not in weights]
-        ids = graph.inputs[0].name
-        sub = Subgraph("decode_model", nodes, (ids,), tuple(v.name for v in graph.outputs), tuple(weights), (1,))
+        for n in members:
+            weights += [r.name for r in n.weights.values() if r.name not in weights]
+        inputs = tuple(dict.fromkeys(v.name for n in graph.nodes if n.op in EMBEDDINGS for v in n.outputs))
+        sub = Subgraph("decode_model", tuple(n.name for n in members), inputs, tuple(v.name for v in graph.outputs), tuple(weights), (1,))
         layers = tuple((n.attrs["layer"], n.attrs["num_kv_heads"], n.attrs["head_dim"]) for n in graph.find("Attention"))
-        log.info("%s: one decode graph of %d nodes over %d KV caches", self.name, len(nodes), len(layers))
-        ctx.put(DecodeGraph(sub, table.name, np.ascontiguousarray(cos[:, :half]), np.ascontiguousarray(sin[:, :half]), layers))
+        log.info("%s: one decode graph of %d nodes over %d KV caches", self.name, len(members), len(layers))
+        ctx.put(DecodeGraph(sub, table.name, ctx.options.max_context, layers))
         return PassResult(False)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from llmc.analyses import ChunkPlan, DecodePlan, Placement, ShadowPlan, StepCost
+from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, Placement, ShadowPlan, StepCost
 from llmc.cost_model import CostModel
 from llmc.device_profile import load as load_profile
 from llmc.errors import CompileError
@@ -32,7 +32,8 @@ def cost_model(graph: Graph, ctx: PassContext) -> CostModel:
     """The cost model of ``graph`` under the compile's device profile."""
     return CostModel(graph, ctx.get(ChunkPlan), load_profile(ctx.options.profile),
                      ctx.get(ShadowPlan) if ctx.has(ShadowPlan) else None, quantized=ctx.options.target == "npu",
-                     decode_plan=ctx.get(DecodePlan) if ctx.has(DecodePlan) else None)
+                     decode_plan=ctx.get(DecodePlan) if ctx.has(DecodePlan) else None,
+                     decode_graph=ctx.get(DecodeGraph) if ctx.has(DecodeGraph) else None)
 
 
 def prompt_len(ctx: PassContext) -> int:

@@ -184,7 +184,10 @@ class ScheduleSteps(Pass):
         heads = sorted(head_steps(graph, plan))
         head_s = _chain_seconds(cm, placement, [plan.steps[j] for j in heads], "prefill", tokens)
         dp = cm.decode_plan
-        if dp is not None and all(placement.decode[s.name] == "cpu" for s in plan.steps if s.kind == "graph"):
+        decode_on_cpu = all(placement.decode[s.name] == "cpu" for s in plan.steps if s.kind == "graph")
+        if decode_on_cpu and cm.decode_graph is not None:
+            decode_s = cm.decode_graph_seconds(tokens)  # the runtime's one-graph decode
+        elif dp is not None and decode_on_cpu:
             decode_s = sum(cm.step_seconds(s, 1, 1, tokens, "cpu") for s in dp.steps)  # the runtime's CPU decode program
         else:
             decode_s = _chain_seconds(cm, placement, list(plan.steps), "decode", tokens)

@@ -126,11 +126,12 @@ class OrtAttention:
     def supports(attrs: dict[str, Any]) -> bool:
         return not attrs["sliding_window"]
 
-    def prepare(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rotary_dim: int = 0, **_: Any) -> None:
-        """Create the sessions for this configuration (chunks, and one row) now rather than on first use."""
+    def prepare(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rotary_dim: int = 0, one_row: bool = True, **_: Any) -> None:
+        """Create the sessions for this configuration (chunks, and with ``one_row`` one row) now rather than on first use."""
         key = (num_heads, num_kv_heads, head_dim, float(scale))
         self._session(key + (False,))
-        self._one_row_sessions(key + (_node_rotates(rotary_dim, head_dim),))
+        if one_row:
+            self._one_row_sessions(key + (_node_rotates(rotary_dim, head_dim),))
 
     def _session(self, key: tuple, threads: int | None = None):
         """The session of ``(heads, kv heads, head dim, scale, node rotates)`` on ``threads`` (default: all)."""

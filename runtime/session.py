@@ -190,8 +190,12 @@ class Session:
         # Decode as one graph call per token (fuse_decode_graph) when the CPU runs decode
         self._decode_graph: str | None = m.get("decode_graph") if self._on_cpu("decode") else None
         self._decode_runner: DecodeGraphRunner | None = None
-        heads = {self._head} | {st["name"] for i, st in enumerate(m.get("decode_program", [])) if i in self._downstream_of_select(m["decode_program"])}
-        self._one_row_heads = {n for n in heads if n is not None}  # one-row instances prefill's last-token logits use
+        # the program's op steps that make the decode graph's inputs (the embedding gather)
+        wanted = {x["name"] for x in self.graphs[self._decode_graph]["inputs"]} if self._decode_graph else set()
+        self._decode_graph_steps = [st for st in self.program if st["kind"] == "op" and wanted.intersection(st["outputs"])]
+        # the head graphs prefill's last-token logits run at one row: the CPU program's when it prefills, else the chunk program's
+        cpu_heads = {st["name"] for i, st in enumerate(m.get("decode_program", [])) if i in self._downstream_of_select(m["decode_program"])}
+        self._one_row_heads = cpu_heads if self._cpu_prefill else {self._head}
         self._bound: dict[tuple[str, int], BoundGraph] = {}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
@@ -362,8 +366,8 @@ class Session:
         """The phase in which this session runs graph instance (``name``, ``rows``), or None if it never does."""
         if name == self.manifest.get("decode_graph"):
             return "decode" if name == self._decode_graph else None
-        if rows == 1 and name not in self._one_row_heads and self._decode_graph is not None:
-            return None  # decode is the one graph
+        if rows == 1 and self.chunk > 1 and name not in self._one_row_heads and self._decode_graph is not None:
+            return None  # decode is the one graph (with --chunk 1 the one-row instances are prefill's)
         if name in self._decode_graphs:  # the CPU program: decode, and prefill on the CPU
             if self._decode_program is None or rows > 1 and not self._cpu_prefill:
                 return None
@@ -385,15 +389,13 @@ class Session:
             self._decode_graph_runner()
         for s in self.program:
             if s["kind"] == "op" and s["op"] == "Attention" and OrtAttention.supports(s["attrs"]):
-                self._attention.prepare(**s["attrs"])
+                self._attention.prepare(**s["attrs"], one_row=self._decode_graph is None or self.chunk == 1)
 
     def _decode_graph_runner(self) -> DecodeGraphRunner:
         if self._decode_runner is None:
             name = self._decode_graph
             sess, _ = self._session(name, 1, "cpu")
-            vocab = self.graphs[name]["outputs"][0]["features"]
-            self._decode_runner = DecodeGraphRunner(self._ort, sess, self.graphs[name], self.cache, self._fed.get(name), self.io["input_ids"],
-                                                    self.io["logits"], vocab)
+            self._decode_runner = DecodeGraphRunner(self._ort, sess, self.graphs[name], self.cache, self._fed.get(name), self.io["logits"])
         return self._decode_runner
 
     # -- execution -----------------------------------------------------------
@@ -597,7 +599,10 @@ class Session:
         if self._decode_graph is not None:
             if self.cache is None:
                 self.reset()
-            logits = self._decode_graph_runner()(token, start)
+            buf = self._feeds(np.array([token], np.int64), start)
+            for s in self._decode_graph_steps:  # the embedding gather, then the graph
+                self._run_step(s, buf, start, 1, None, "decode")
+            logits = self._decode_graph_runner()([buf[x["name"]] for x in self.graphs[self._decode_graph]["inputs"]], start)
             self.position = start + 1
             return logits
         if self.residency is not None:

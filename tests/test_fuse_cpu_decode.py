@@ -208,12 +208,13 @@ def test_inspect_shows_decode_program_placement_and_predictions(npu_bundle):
     assert r.exit_code == 0, r.output
     lines = {line.split()[0]: line for line in r.output.splitlines() if line and not line.startswith(" ")}
     m = json.loads((npu_bundle / "manifest.json").read_text())
-    assert lines["decode"].startswith(f"decode     {len(m['decode_program'])} steps per token")
+    assert lines["decode"].startswith(f"decode     one call of {m['decode_graph']} per token")
+    assert lines["prefill"].startswith(f"prefill    {len(m['decode_program'])} steps per chunk")
     assert "(8gen3) prefill:" in lines["placement"] and "decode: 0 on NPU" in lines["placement"]
     pred = m["schedule"]["predicted"]
     assert f"decode {pred['decode_tok_s']:.1f} tok/s" in lines["predicted"]
     summary = json.loads(CliRunner().invoke(cli, ["inspect", str(npu_bundle), "--json"]).output)
-    assert summary["decode_program"][2] == "decode00" and summary["predicted"] == pred
+    assert summary["decode_program"][2] == "decode00" and summary["predicted"] == pred and summary["decode_graph"] == "decode_model"
 
 
 def test_session_options_follow_the_graph_size(npu_bundle):

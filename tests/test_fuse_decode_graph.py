@@ -28,7 +28,7 @@ def _decode_both(bundle, ids: list[int], prompt: int):
         s.prefill(ids[:prompt])
     runner = one._decode_graph_runner()
     real = runner.__call__
-    one._decode_runner = lambda t, p: calls.append(p) or real(t, p)
+    one._decode_runner = lambda x, p: calls.append(p) or real(x, p)
     for i in range(prompt, len(ids)):
         out.append((one.decode(ids[i]), steps.decode(ids[i])))
     assert calls == list(range(prompt, len(ids)))  # every decode step was one graph call at its position
@@ -49,7 +49,7 @@ def test_decode_graph_matches_hf_and_the_program(bundles, model_dirs, family):
 
 def test_decode_graph_lowering(bundles):
     """One graph, one GroupQueryAttention per layer with its caches as inputs and outputs of the same
-    shape, no positions input; the per-graph programs stay in the bundle."""
+    shape, the embedding row as its input (no ids, no positions); the per-graph programs stay in the bundle."""
     import onnx
 
     b = bundles("phi3")
@@ -64,7 +64,8 @@ def test_decode_graph_lowering(bundles):
     assert ops.count("Slice") == 2 * layers  # only gate and up are sliced
     ins = {i.name: [d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
     outs = {o.name: [d.dim_value for d in o.type.tensor_type.shape.dim] for o in model.graph.output}
-    assert m["io"]["positions"] not in ins and ins[m["io"]["input_ids"]] == [1]
+    (emb,) = [st for st in m["program"] if st.get("op") == "Embedding"]  # the runtime gathers the row and feeds it
+    assert m["io"]["positions"] not in ins and m["io"]["input_ids"] not in ins and ins[emb["outputs"][0]] == [1, m["model"]["hidden_size"]]
     for kv in entry["kv"]:
         assert ins[kv["past_key"]] == outs[kv["present_key"]] and ins[kv["past_key"]][2] == MAX_CONTEXT
     assert {s["name"] for s in m["program"] if s["kind"] == "graph"} <= set(m["graphs"])
@@ -83,14 +84,15 @@ def test_pass_stands_aside_with_a_reason(bundles, model_dirs, family, reason):
 
 
 def test_int4_bundle_decodes_in_one_graph(model_dirs, tmp_path):
-    """Block-quantized weights, merged q/k/v and gate/up, the tied embedding gathered from the head's
-    8-bit codes inside the graph: the same logits as the per-graph program."""
+    """Block-quantized weights, merged q/k/v and gate/up, the tied embedding gathered by the runtime from
+    the head's 8-bit codes and fed to the graph: the same logits as the per-graph program."""
     from llmc.compile import compile_model
 
     out = tmp_path / "int4"
     compile_model(str(model_dirs("llama_tied_mha")), out, target="cpu", weight_format="int4", chunk=CHUNK, max_context=MAX_CONTEXT)
     m = json.loads((out / "manifest.json").read_text())
-    assert "BlockEmbedding" in m["graphs"][m["decode_graph"]]["ops"]
+    entry = m["graphs"][m["decode_graph"]]
+    assert "BlockEmbedding" not in entry["ops"] and [x["name"] for x in entry["inputs"]] == [s["outputs"][0] for s in m["program"][:1]]
     for a, b in _decode_both(out, _ids(CHUNK + 6, seed=5), CHUNK + 1):
         np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()))
 
@@ -102,39 +104,25 @@ def test_npu_bundle_decode_graph_keeps_the_corrections(model_dirs, calib_words, 
     out = tmp_path / "npu"
     compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, calib_file=str(calib_words), calib_tokens=256)
     m = json.loads((out / "manifest.json").read_text())
-    assert "ShadowOutliers" in m["graphs"][m["decode_graph"]]["ops"] and m["graphs"][m["decode_graph"]]["fed"]
+    entry = m["graphs"][m["decode_graph"]]
+    assert "ShadowOutliers" in entry["ops"] and entry["fed"]
+    (table,) = [s["weights"]["table"] for s in m["program"] if s.get("op") == "Embedding"]
+    assert table not in entry["weights"]  # the float table stays out of the graph (ONNX Runtime would read all of it)
     for a, b in _decode_both(out, _ids(CHUNK + 6, seed=9), CHUNK + 2):
         np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()))
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_block_embedding_lowering_matches_the_kernel(tmp_path, bits):
-    """The graph's gather and dequantization of block-quantized rows == runtime.kernels.block_embedding."""
-    import onnxruntime as ort
+def test_chunk_1_bundle_warms_up_every_prefill_session(model_dirs, tmp_path):
+    """With --chunk 1 the one-row instances are prefill's: warmup creates them, so a first prefill
+    prepares no session; decode is still the one graph."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
 
-    from llmc.analyses import DecodeGraph, Subgraph
-    from llmc.backends.onnx_backend import _DecodeBuilder, _check, write_weights
-    from llmc.ir import Graph
-    from llmc.passes.quantize_int4 import quantize_blocks
-    from llmc.runtime import kernels
-
-    rng = np.random.default_rng(bits)
-    V, K = 12, 64
-    codes, scales, offsets = quantize_blocks(rng.standard_normal((V, K)).astype(np.float32), bits)
-    g = Graph("emb")
-    ws = {k: g.weights.add(k, a.shape, str(a.dtype), lambda a=a: a) for k, a in (("qweight", codes), ("scales", scales), ("offsets", offsets))}
-    ids = g.add_input("ids", (1,), "int64")
-    node = g.add_node("BlockEmbedding", [ids], attrs={"scale": 0.5, "bits": bits, "block_size": 32}, weights=ws)
-    g.set_outputs(node.outputs)
-    weights = write_weights(g, list(ws), tmp_path)
-    dg = DecodeGraph(Subgraph("emb", (node.name,), ("ids",), (node.outputs[0].name,), tuple(ws), (1,)), "", np.zeros((4, 8), np.float32),
-                     np.zeros((4, 8), np.float32), ())
-    model = _DecodeBuilder(g, dg, weights, frozenset()).build()
-    _check(model, tmp_path)
-    so = ort.SessionOptions()
-    so.add_external_initializers(list(ws), [ort.OrtValue.ortvalue_from_numpy(a) for a in (codes, scales, offsets)])
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    for t in (0, 7, V - 1):
-        want = kernels.block_embedding(np.array([t]), codes, scales, offsets, bits, 0.5)
-        got = sess.run(None, {"ids": np.array([t], np.int64), "seqlens_k": np.zeros(1, np.int32), "total_len": np.array(1, np.int32)})[0]
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    out = tmp_path / "c1"
+    compile_model(str(model_dirs("llama")), out, target="cpu", chunk=1, max_context=MAX_CONTEXT)
+    s = Session(out, "cpu")
+    before = set(s._sessions)
+    assert ("decode_model", 1, False) in before
+    s.prefill(_ids(5))
+    s.decode(7)
+    assert set(s._sessions) == before

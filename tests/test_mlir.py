@@ -29,7 +29,7 @@ def test_modules_cover_every_subgraph_and_verify(mlir_bundles):
 
     for dialect, d in mlir_bundles.items():
         m = load_manifest(d)
-        assert set(m["mlir"]) == set(m["graphs"])
+        assert set(m["mlir"]) == set(m["graphs"]) - {m["decode_graph"]}  # the decode graph (attention inside) is ONNX only
         for name, inst in m["mlir"].items():
             assert sorted(inst) == sorted(m["graphs"][name]["instances"])
             for rows, e in inst.items():
