@@ -100,7 +100,7 @@ class _Builder:
         self.nodes: list[Any] = []
         self.consts: list[Any] = []
         self.used_weights: list[str] = []
-        self.block_sum_values: set[str] = set()
+        self.block_sum_values: set[str] = set()  # values made once per graph (block sums, the decode position)
         self.scalar_weights: set[str] = set()  # one-element weights used as per-tensor quantization scales
         self.extra_inputs: list[Any] = []  # graph inputs and outputs beyond the subgraph's values (the decode graph's caches)
         self.extra_outputs: list[Any] = []
@@ -334,25 +334,62 @@ class _DecodeBuilder(_Builder):
     def lower(self, n: Node) -> None:
         x = [v.name for v in n.inputs]
         y = [v.name for v in n.outputs]
-        a, p = n.attrs, n.name
+        p = n.name
         if n.op == "Attention":
-            layer = a["layer"]
-            s3 = self.const(f"{p}.shape3", np.array([1, 1, -1], np.int64))
-            packed = packed_qkv(n)  # q, k and v are slices of one fused projection: the node takes it whole
-            qkv = [packed.name] if packed is not None else x[:3]
-            for v in qkv:
-                self.add("Reshape", [v, s3], [f"{v}.bsd"], f"{v}.bsd")
-            ins = [f"{v}.bsd" for v in qkv] + ([""] * 2 if packed is not None else [])
-            ins += [f"past_key.{layer}", f"past_value.{layer}", DECODE_SEQLENS, DECODE_TOTAL, "rotary.cos_cache", "rotary.sin_cache"]
-            self.add("GroupQueryAttention", ins, [f"{p}.bsd", f"present_key.{layer}", f"present_value.{layer}"], p, domain=MS_DOMAIN,
-                     num_heads=a["num_heads"], kv_num_heads=a["num_kv_heads"], scale=float(a["scale"]), do_rotary=1, rotary_interleaved=0)
-            self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([1, -1], np.int64))], y, f"{p}.rows")
+            self.attention(n, x, y)
         elif n.op == "SelectRows":
             self.add("Identity", x, y, p)  # the one row is the row that needs logits
-        elif n.op == "Slice" and all(u.op == "Attention" and packed_qkv(u) is not None for u, _ in n.outputs[0].uses):
+        elif n.op == "Slice" and all(u.op == "Attention" and self.packed(u) is not None for u, _ in n.outputs[0].uses):
             pass  # read only by attention nodes that take the fused projection packed
         else:
             super().lower(n)
+
+    @staticmethod
+    def node_rotates(attn: Node) -> bool:
+        """Whether ``GroupQueryAttention`` rotates q and k itself: all of the head (its CPU kernel: a head size that is a multiple of 16)."""
+        return attn.attrs["rotary_dim"] == attn.attrs["head_dim"] and attn.attrs["head_dim"] % 16 == 0
+
+    def packed(self, attn: Node):
+        """The fused projection ``attn`` takes whole (see :func:`packed_qkv`) when its node also rotates q and k, else None."""
+        return packed_qkv(attn) if self.node_rotates(attn) else None
+
+    def attention(self, n: Node, x: list[str], y: list[str]) -> None:
+        """q/k/v ``[1, F]`` -> ``[1, 1, F]``; rotary embedding in the attention node, or (partial rotary, other
+        head sizes) by ONNX ``RotaryEmbedding`` at the position ``seqlens_k``; ``GroupQueryAttention`` over the
+        layer's caches, a sliding window as its ``local_window_size`` (the same number: the tests check it against
+        HF's Mistral and the numpy kernel past the window)."""
+        a, p, layer = n.attrs, n.name, n.attrs["layer"]
+        s3 = self.const(f"{p}.shape3", np.array([1, 1, -1], np.int64))
+        packed = self.packed(n)  # q, k and v are slices of one fused projection: the node takes it whole
+        qkv = [packed.name] if packed is not None else x[:3]
+        for v in qkv:
+            self.add("Reshape", [v, s3], [f"{v}.bsd"], f"{v}.bsd")
+        qkv = [f"{v}.bsd" for v in qkv]
+        rotary = ["rotary.cos_cache", "rotary.sin_cache"] if self.node_rotates(n) else []
+        if not rotary and a["rotary_dim"]:
+            pos = self.position_ids()
+            for i, heads in ((0, a["num_heads"]), (1, a["num_kv_heads"])):
+                self.add("RotaryEmbedding", [qkv[i], "rotary.cos_cache", "rotary.sin_cache", pos], [f"{qkv[i]}.rot"], f"{qkv[i]}.rot",
+                         num_heads=heads, rotary_embedding_dim=a["rotary_dim"], interleaved=0)
+                qkv[i] = f"{qkv[i]}.rot"
+        ins = qkv + ([""] * 2 if packed is not None else [])
+        ins += [f"past_key.{layer}", f"past_value.{layer}", DECODE_SEQLENS, DECODE_TOTAL] + rotary
+        attrs = {"num_heads": a["num_heads"], "kv_num_heads": a["num_kv_heads"], "scale": float(a["scale"])}
+        if rotary:
+            attrs.update(do_rotary=1, rotary_interleaved=0)
+        if a["sliding_window"]:
+            attrs["local_window_size"] = int(a["sliding_window"])
+        self.add("GroupQueryAttention", ins, [f"{p}.bsd", f"present_key.{layer}", f"present_value.{layer}"], p, domain=MS_DOMAIN, **attrs)
+        self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([1, -1], np.int64))], y, f"{p}.rows")
+
+    def position_ids(self) -> str:
+        """The token's position ``[1, 1]`` (int64), from the cache length; made once per graph."""
+        out = "decode.position_ids"
+        if out not in self.block_sum_values:  # the set of values made once per graph
+            self.block_sum_values.add(out)
+            self.add("Cast", [DECODE_SEQLENS], ["decode.position"], "decode.position", to=7)
+            self.add("Reshape", ["decode.position", self.const(f"{out}.shape", np.array([1, 1], np.int64))], [out], out)
+        return out
 
 
 def _check(model, root: Path) -> None:

@@ -8,8 +8,8 @@ and a Python step. This pass lowers the whole model into one one-row graph:
 - each ``Attention`` as ONNX Runtime's ``GroupQueryAttention`` over that layer's
   KV cache, which the runtime binds as both past and present input/output, so
   the node appends the token's K/V row in place;
-- rotary embedding inside those nodes, from cos/sin tables of every position up
-  to ``--max-context`` that the backend computes from the ``RotaryTable`` (the
+- rotary embedding from cos/sin tables of every position up to
+  ``--max-context`` that the backend computes from the ``RotaryTable`` (the
   graph then needs no positions: a token's position is the cache length);
 - ``SelectRows`` of the one row as the identity;
 - shadow corrections as ``fuse_cpu_decode`` lowers them.
@@ -18,10 +18,15 @@ The embedding gather stays outside, as in the other programs: the runtime
 gathers the token's row from the memory-mapped table and feeds it (in the graph,
 ONNX Runtime would read the whole float table, 113 MB for SmolLM2's W8A8 bundle).
 
-It applies when every dynamic op has such a lowering: attention without a sliding
-window whose rotary embedding covers the whole head (ONNX Runtime's node rotates
-all of it; head size a multiple of 16), one rotary table fed by the positions.
-Otherwise, or under a memory budget (weights stream per step of the chunk
+The attention node rotates q and k itself when the rotation covers the whole
+head and the head size is a multiple of 16 (its CPU kernel's rule); otherwise
+(partial rotary, as Phi-2; other head sizes) ONNX ``RotaryEmbedding`` rotates
+them at the token's position first. A sliding window is the node's
+``local_window_size``.
+
+It applies when every dynamic op has such a lowering and the attention layers
+take their rotation from one rotary table fed by the positions. Otherwise, or
+under a memory budget (weights stream per step of the chunk
 program), it logs why and leaves the decode program as it is. The bundle keeps
 the other programs: prefill, the QNN provider and older runtimes use them.
 
@@ -65,11 +70,6 @@ def why_not(graph: Graph) -> str | None:
         if any(u.op != "Attention" for u, _ in v.uses):
             return f"rotary table {table.name} is read by an op other than attention"
     for n in attns:
-        a = n.attrs
-        if a["sliding_window"]:
-            return f"{n.name} uses a sliding window of {a['sliding_window']}"
-        if a["rotary_dim"] != a["head_dim"] or a["head_dim"] % 16:
-            return f"{n.name} rotates {a['rotary_dim']} of {a['head_dim']} head dims (the fused node rotates all of them, head size a multiple of 16)"
         if len(n.inputs) != 5 or [v.name for v in n.inputs[3:]] != [v.name for v in table.outputs]:
             return f"{n.name} does not take its rotation from {table.name}"
     return None

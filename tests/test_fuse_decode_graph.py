@@ -35,10 +35,12 @@ def _decode_both(bundle, ids: list[int], prompt: int):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_tied_mha", "qwen2", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "llama_tied_mha", "qwen2", "phi3", "mistral", "gemma", "phi"])
 def test_decode_graph_matches_hf_and_the_program(bundles, model_dirs, family):
     """fp32 bundles: one call per token gives HF eager's logits and the per-graph program's, over a
-    prompt of more than one chunk; phi3's fused qkv projection goes to the attention node packed."""
+    prompt of more than one chunk; phi3's fused qkv projection goes to the attention node packed;
+    mistral's sliding window (12) is shorter than the context; gemma's head size (24) and phi's partial
+    rotary (8 of 16) are rotated by RotaryEmbedding before the attention node."""
     ids = _ids(CHUNK + 9)
     ref = hf_logits(model_dirs(family), ids)
     prompt = CHUNK + 3
@@ -71,16 +73,18 @@ def test_decode_graph_lowering(bundles):
     assert {s["name"] for s in m["program"] if s["kind"] == "graph"} <= set(m["graphs"])
 
 
-@pytest.mark.parametrize("family,reason", [("mistral", "sliding window"), ("phi", "rotates 8 of 16"), ("gemma", "head size a multiple of 16")])
-def test_pass_stands_aside_with_a_reason(bundles, model_dirs, family, reason):
-    """Models whose attention the fused node cannot run keep the per-graph decode, and say why."""
-    from test_quantization import _ctx
+def test_rotation_outside_the_node_and_the_sliding_window(bundles):
+    """phi (partial rotary) rotates with RotaryEmbedding and passes q/k/v apart; mistral's window (12) is
+    the node's local_window_size."""
+    import onnx
 
-    from llmc.passes.fuse_decode_graph import why_not
-
-    assert "decode_graph" not in json.loads((bundles(family) / "manifest.json").read_text())
-    g, _ = _ctx(model_dirs(family))
-    assert reason in why_not(g)
+    for family, check in (("phi", lambda ops, gqa: ops.count("RotaryEmbedding") == 2 * len(gqa) and all(n.input[1] for n in gqa)),
+                          ("mistral", lambda ops, gqa: all({a.name: a.i for a in n.attribute}["local_window_size"] == 12 for n in gqa))):
+        b = bundles(family)
+        m = json.loads((b / "manifest.json").read_text())
+        model = onnx.load(b / m["graphs"][m["decode_graph"]]["instances"]["1"]["file"], load_external_data=False)
+        gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+        assert gqa and check([n.op_type for n in model.graph.node], gqa), family
 
 
 def test_int4_bundle_decodes_in_one_graph(model_dirs, tmp_path):
