@@ -25,7 +25,7 @@ def _decode_both(bundle, ids: list[int], prompt: int):
     out = []
     for s in (one, steps):
         s.reset()
-        s.prefill(ids[:prompt])
+        s.prefill(ids[:prompt], all_logits=True)  # the same chunk path for both (prefill ends in the decode graph otherwise)
     runner = one._decode_graph_runner()
     real = runner.__call__
     one._decode_runner = lambda x, p: calls.append(p) or real(x, p)
@@ -130,3 +130,30 @@ def test_chunk_1_bundle_warms_up_every_prefill_session(model_dirs, tmp_path):
     s.prefill(_ids(5))
     s.decode(7)
     assert set(s._sessions) == before
+
+
+@pytest.mark.parametrize("n,graph_calls,chunks", [(33, 1, 1), (35, 3, 1), (36, 1, 2), (1, 1, 0)])
+def test_prefill_ends_in_the_decode_graph(model_dirs, tmp_path_factory, monkeypatch, n, graph_calls, chunks):
+    """The last prompt token, and a tail of up to C/16 tokens after the last whole chunk, run through
+    the decode graph (chunk 32: up to 2), and prefill gives HF's logits; all_logits keeps the chunks."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    out = tmp_path_factory.getbasetemp() / "c32"
+    if not out.exists():
+        compile_model(str(model_dirs("llama")), out, target="cpu", chunk=32, max_context=MAX_CONTEXT)
+    ids = _ids(n, seed=n)
+    ref = hf_logits(model_dirs("llama"), ids)
+    s = Session(out, "cpu")
+    assert not any(rows == 1 and name != "decode_model" for name, rows, _ in s._sessions)  # no one-row head session
+    runner = s._decode_graph_runner()
+    calls, chunk_starts = [], []
+    monkeypatch.setattr(s, "_decode_runner", lambda x, p: calls.append(p) or runner(x, p))
+    real = s._prefill_scheduled
+    monkeypatch.setattr(s, "_prefill_scheduled", lambda ids, rows: chunk_starts.append(len(rows)) or real(ids, rows))
+    got = s.prefill(ids)
+    assert len(calls) == graph_calls and sum(chunk_starts) == chunks and s.position == n
+    np.testing.assert_allclose(got, ref[-1], atol=1e-4 * np.abs(ref[-1]).max())
+    s.reset()
+    s.position = 0
+    np.testing.assert_allclose(s.prefill(ids, all_logits=True), ref, atol=1e-4 * np.abs(ref).max())
