@@ -488,12 +488,17 @@ def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch
     for label, f, unit in (("TTFT", r.ttft_s, "s"), ("prefill", r.prefill_tok_s, "tok/s"), ("decode", r.decode_tok_s, "tok/s")):
         click.echo(f"  {label:<8} {f.median:10.3f} {unit:<6} ({f.min:.3f}..{f.max:.3f})")
     click.echo(f"  peak RSS {r.peak_rss_mb:10.0f} MB")
+    click.echo(f"  decode   {_DECODE_PATHS[r.decode_path]}")
     if r.offload:
         o = r.offload
         click.echo(f"  offload  {o['resident_bytes'] / 1e6:.1f} MB resident, {o['buffer_bytes'] / 1e6:.1f} MB stream buffer "
                    f"(peak {o['peak_buffer_bytes'] / 1e6:.1f}), prefetch {'depth ' + str(o['prefetch_depth']) if o['prefetch'] else 'off'}; "
                    f"read {o['streamed_bytes_read'] / 1e6:.0f} MB at {o['read_MB_s']:.0f} MB/s ({'O_DIRECT' if o['o_direct'] else 'pread'}), "
                    f"waited {o['main_thread_wait_s']:.2f} s")
+
+
+_DECODE_PATHS = {"graph": "one call of the decode graph per token", "cpu program": "the CPU program: a graph and an attention call per layer",
+                 "chunk program": "the chunk program's one-row instances"}
 
 
 def _qnn_summary(q):

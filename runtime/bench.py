@@ -37,6 +37,7 @@ class BenchResult:
     prefill_tok_s: Figure
     decode_tok_s: Figure
     peak_rss_mb: float
+    decode_path: str = ""  # Session.decode_path: what ran each decode step
     offload: dict | None = None  # memory-budgeted bundles: residency and streaming figures over all runs
 
 
@@ -67,6 +68,7 @@ def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat:
         Figure.of([m.prefill_tok_s for m in runs]),
         Figure.of([m.decode_tok_s for m in runs]),
         peak_rss_mb(),
+        session.decode_path,
         offload_figures(session),
     )
 

@@ -238,6 +238,14 @@ class Session:
         return "cpu"
 
     @property
+    def decode_path(self) -> str:
+        """What runs a decode step: ``"graph"`` (one call of the decode graph), ``"cpu program"``
+        (``fuse_cpu_decode``'s graph per layer and attention) or ``"chunk program"`` (its one-row instances)."""
+        if self._decode_graph is not None:
+            return "graph"
+        return "cpu program" if self._decode_program is not None else "chunk program"
+
+    @property
     def counts_outliers(self) -> bool:
         """Whether prefill's shadow corrections run in Python and count the outliers they see
         (``outlier_counts``); the CPU program corrects inside its graphs, uncounted."""

@@ -105,7 +105,7 @@ def test_bench_json(bundles):
     r = invoke("bench", bundles("llama"), "--prompt-len", 20, "--new-tokens", 4, "--repeat", 2, "--json")
     assert r.exit_code == 0, r.output
     res = json.loads(r.output)
-    assert res["prompt_tokens"] == 20 and res["repeat"] == 2
+    assert res["prompt_tokens"] == 20 and res["repeat"] == 2 and res["decode_path"] == "graph"
     for k in ("ttft_s", "prefill_tok_s", "decode_tok_s"):
         f = res[k]
         assert f["min"] <= f["median"] <= f["max"] and f["median"] > 0

@@ -415,6 +415,7 @@ def test_plan_offload_bundle_runs_like_the_unbudgeted_one(pairs, tmp_path, model
     for prefetch in (True, False):
         s, logits, toks = _run(out, prefetch)
         st = s.residency.streaming.stats
+        assert s.decode_path == "chunk program"
         s.close()
         assert np.array_equal(logits, ref_logits) and toks == ref_toks
         assert 0 < st.peak_buffer_bytes <= off["buffer_bytes"]
