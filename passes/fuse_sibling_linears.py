@@ -26,6 +26,8 @@ import os
 
 import numpy as np
 
+from llmc.analyses import ChunkPlan
+from llmc.errors import CompileError
 from llmc.ir import Graph, Node
 from llmc.pass_manager import Pass, PassContext, PassResult
 
@@ -58,6 +60,9 @@ class FuseSiblingLinears(Pass):
     summary = "one matmul for the Linears that read the same value (q/k/v, gate/up), split by Slices"
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        if ctx.has(ChunkPlan):  # the plan names the nodes this pass replaces
+            raise CompileError("fuse_sibling_linears rewrites the IR after chunk_static_graphs has cut it",
+                               hint="put fuse_sibling_linears before chunk_static_graphs in --pipeline")
         store = graph.weights
         merged = 0
         for node in list(graph.nodes):  # every value is produced by a node or is a graph input; merge per producer's outputs

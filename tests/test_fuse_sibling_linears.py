@@ -70,3 +70,13 @@ def test_cpu_bundles_merge_and_match_hf(bundles, model_dirs):
     got = s.prefill(ids, all_logits=True)
     ref = hf_logits(model_dirs("llama"), ids)
     np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max())
+
+
+def test_pass_refuses_to_run_after_the_cut(model_dirs):
+    """After chunk_static_graphs the plan names the Linears; merging them then is a named error."""
+    from test_quantize_int4 import _lift, _quantized
+
+    from llmc.errors import CompileError
+
+    with pytest.raises(CompileError, match="before chunk_static_graphs"):
+        _quantized(_lift(model_dirs("llama")), "dce,select_logit_rows,chunk_static_graphs,fuse_sibling_linears")
