@@ -201,7 +201,10 @@ class Session:
         # the head graphs prefill's last-token logits run at one row: none with a decode graph (it scores the last
         # token), else the CPU program's when it prefills, else the chunk program's
         cpu_heads = {st["name"] for i, st in enumerate(m.get("decode_program", [])) if i in self._downstream_of_select(m["decode_program"])}
-        self._one_row_heads = set() if self._decode_graph else cpu_heads if self._cpu_prefill else {self._head}
+        self._one_row_heads = cpu_heads if self._cpu_prefill else {self._head}
+        self._lazy_heads: set[str | None] = set()
+        if self._decode_graph is not None:  # scoring (all_logits) creates them when a chunk has one row
+            self._lazy_heads, self._one_row_heads = self._one_row_heads | {self._head}, set()
         self._bound: dict[tuple[str, int], BoundGraph] = {}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
@@ -248,7 +251,9 @@ class Session:
     @property
     def counts_outliers(self) -> bool:
         """Whether prefill's shadow corrections run in Python and count the outliers they see
-        (``outlier_counts``); the CPU program corrects inside its graphs, uncounted."""
+        (``outlier_counts``); the CPU program corrects inside its graphs, uncounted. Scoring
+        (``all_logits``) counts every position; a generation's prefill with a decode graph leaves
+        its last token (and tail) to the graph, uncounted."""
         return bool(self.outlier_counts) and not self._cpu_prefill
 
     def _on_cpu(self, phase: str) -> bool:
@@ -380,8 +385,8 @@ class Session:
         """The phase in which this session runs graph instance (``name``, ``rows``), or None if it never does."""
         if name == self.manifest.get("decode_graph"):
             return "decode" if name == self._decode_graph else None
-        if rows == 1 and self.chunk > 1 and name not in self._one_row_heads and self._decode_graph is not None:
-            return None  # decode is the one graph (with --chunk 1 the one-row instances are prefill's)
+        if rows == 1 and self._decode_graph is not None and (self.chunk > 1 or name in self._lazy_heads):
+            return None  # decode is the one graph, which also scores prefill's last token (with --chunk 1 the other one-row instances are prefill's)
         if name in self._decode_graphs:  # the CPU program: decode, and prefill on the CPU
             if self._decode_program is None or rows > 1 and not self._cpu_prefill:
                 return None
@@ -586,6 +591,8 @@ class Session:
         and a prompt just past a chunk boundary does not prefill a padded chunk.
         """
         ids = np.asarray(ids, dtype=np.int64)
+        if not len(ids):
+            raise PromptTooLongError("the prompt is empty", hint="give at least one token")
         if self.cache is None:
             self.reset()
         if self.position + len(ids) > self.max_context:
@@ -595,7 +602,7 @@ class Session:
                 hint="shorten the prompt, or recompile with a larger --max-context",
             )
         C = self.chunk
-        if self._decode_graph is not None and not all_logits and len(ids):
+        if self._decode_graph is not None and not all_logits:
             # Whole chunks through the prefill program, then the last token (the one that needs logits),
             # and a short tail before it rather than a mostly padded chunk, through the decode graph
             body = len(ids) - 1

@@ -126,7 +126,7 @@ def test_chunk_1_bundle_warms_up_every_prefill_session(model_dirs, tmp_path):
     compile_model(str(model_dirs("llama")), out, target="cpu", chunk=1, max_context=MAX_CONTEXT)
     s = Session(out, "cpu")
     before = set(s._sessions)
-    assert ("decode_model", 1, False) in before
+    assert ("decode_model", 1, False) in before and ("head", 1, False) not in before  # the decode graph scores the last token
     s.prefill(_ids(5))
     s.decode(7)
     assert set(s._sessions) == before
@@ -157,3 +157,10 @@ def test_prefill_ends_in_the_decode_graph(model_dirs, tmp_path_factory, monkeypa
     s.reset()
     s.position = 0
     np.testing.assert_allclose(s.prefill(ids, all_logits=True), ref, atol=1e-4 * np.abs(ref).max())
+
+
+def test_empty_prompt_is_a_named_error(bundles):
+    from llmc.runtime import PromptTooLongError, Session
+
+    with pytest.raises(PromptTooLongError, match="empty"):
+        Session(bundles("llama"), "cpu").prefill([])
