@@ -3,7 +3,8 @@
 The CPU's decode program (``fuse_cpu_decode``, or the chunk program's one-row
 instances) still alternates graphs and attention: a SmolLM2 token makes 31 graph
 calls and 30 attention calls, and each call costs ONNX Runtime's per-run work
-and a Python step. This pass lowers the whole model into one one-row graph:
+and a Python step. This pass lowers the model after its embedding into one
+one-row graph:
 
 - each ``Attention`` as ONNX Runtime's ``GroupQueryAttention`` over that layer's
   KV cache, which the runtime binds as both past and present input/output, so
@@ -28,7 +29,9 @@ It applies when every dynamic op has such a lowering and the attention layers
 take their rotation from one rotary table fed by the positions. Otherwise, or
 under a memory budget (weights stream per step of the chunk
 program), it logs why and leaves the decode program as it is. The bundle keeps
-the other programs: prefill, the QNN provider and older runtimes use them.
+the other programs: prefill's chunks, the QNN provider and older runtimes use
+them. (The runtime also feeds a prompt's last token, and a short tail after its
+last whole chunk, through this graph.)
 
 Produces :class:`llmc.analyses.DecodeGraph`; the IR is unchanged.
 """
