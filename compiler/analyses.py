@@ -278,7 +278,7 @@ class Schedule:
     in_order: Timeline
     out_of_order: Timeline
     decode_s: float  # predicted seconds per decoded token
-    head_s: float  # the LM head on the last prompt token, after the timeline
+    head_s: float  # after the timeline: the LM head on the last prompt token, or the decode graph's steps (the last token and a tail)
     # prefill through the CPU program (fuse_cpu_decode at chunk rows), which the runtime runs instead of the
     # timelines' chunk program when the CPU runs every prefill graph; None when it does not apply
     cpu_program_s: float | None = None

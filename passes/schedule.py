@@ -26,6 +26,13 @@ program has chunk-row instances, the runtime prefills through that program
 instead (chunk after chunk); ``Schedule.cpu_program_s`` prices it and
 ``prefill_s`` uses it. The timelines still describe the chunk program.
 
+When decode runs the one-graph decode (``fuse_decode_graph``, the placement
+keeping decode on the CPU), the runtime ends prefill in it as ``Session.prefill``
+does: a tail of up to C / ``TAIL_DIVISOR`` tokens after the last whole chunk and
+the last token are decode steps, and the last token always is when every
+prefill graph is on the CPU too. The timelines then cover the tokens before
+them and ``Schedule.head_s`` prices those steps instead of the LM head.
+
 Produces :class:`llmc.analyses.Schedule`; the IR is unchanged.
 """
 
@@ -39,6 +46,7 @@ from llmc.cost_model import CostModel
 from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
 from llmc.passes.place import cost_model, prompt_len
+from llmc.runtime.session import TAIL_DIVISOR
 
 log = logging.getLogger(__name__)
 
@@ -167,13 +175,19 @@ class ScheduleSteps(Pass):
         plan = cm.plan
         c = plan.chunk
         tokens = prompt_len(ctx)
-        k_prompt = math.ceil(tokens / c)
+        decode_on_cpu = all(placement.decode[s.name] == "cpu" for s in plan.steps if s.kind == "graph")
+        one_processor = all(p == "cpu" for p in placement.prefill.values())  # nothing to overlap: in order is optimal
+        in_graph = 0  # prompt tokens the runtime feeds through the decode graph (a tail and the last one), as Session.prefill
+        short_tail = (tokens - 1) % c <= c // TAIL_DIVISOR
+        if decode_on_cpu and cm.decode_graph is not None and (short_tail or one_processor):
+            in_graph = 1 + ((tokens - 1) % c if short_tail else 0)
+        chunked = tokens - in_graph  # prompt tokens in chunks
+        k_prompt = math.ceil(chunked / c)
         k_max = math.ceil(plan.max_context / c)
         orders = {}
-        report = None
-        one_processor = all(p == "cpu" for p in placement.prefill.values())  # nothing to overlap: in order is optimal
-        for k in sorted({*range(1, min(k_max, MAX_STORED_ORDERS) + 1), k_prompt}):
-            prob = _Problem(graph, cm, placement, k, tokens if k == k_prompt else k * c)
+        report = (_timeline("in-order", []), _timeline("out-of-order", []))  # a prompt with no chunk
+        for k in sorted({*range(1, min(k_max, MAX_STORED_ORDERS) + 1), k_prompt} - {0}):
+            prob = _Problem(graph, cm, placement, k, chunked if k == k_prompt else k * c)
             ino = prob.in_order()
             ooo = ino if one_processor else prob.out_of_order()
             best = ooo if ooo.makespan_s <= ino.makespan_s else ino
@@ -182,9 +196,11 @@ class ScheduleSteps(Pass):
             if k == k_prompt:
                 report = (ino, ooo)
         heads = sorted(head_steps(graph, plan))
-        head_s = _chain_seconds(cm, placement, [plan.steps[j] for j in heads], "prefill", tokens)
+        if in_graph:  # the decode graph scores the last token, after the tail
+            head_s = sum(cm.decode_graph_seconds(chunked + i + 1) for i in range(in_graph))
+        else:
+            head_s = _chain_seconds(cm, placement, [plan.steps[j] for j in heads], "prefill", tokens)
         dp = cm.decode_plan
-        decode_on_cpu = all(placement.decode[s.name] == "cpu" for s in plan.steps if s.kind == "graph")
         if decode_on_cpu and cm.decode_graph is not None:
             decode_s = cm.decode_graph_seconds(tokens)  # the runtime's one-graph decode
         elif dp is not None and decode_on_cpu:
@@ -196,7 +212,7 @@ class ScheduleSteps(Pass):
             # the runtime prefills through the CPU program, chunk by chunk (its head steps are head_s's)
             tail = head_steps(graph, dp)
             body = [s for j, s in enumerate(dp.steps) if j not in tail]
-            rows = [min(c, tokens - i * c) for i in range(k_prompt)]  # real rows of each chunk
+            rows = [min(c, chunked - i * c) for i in range(k_prompt)]  # real rows of each chunk
             cpu_program_s = sum(cm.step_seconds(s, c, n, i * c + n, "cpu") for i, n in enumerate(rows) for s in body)
         ino, ooo = report
         log.info("schedule (%s, %d tokens): in-order %.1f ms (NPU bubbles %.0f%%), out-of-order %.1f ms (%.0f%%); decode %.2f ms/token",

@@ -202,8 +202,11 @@ class Session:
         # token), else the CPU program's when it prefills, else the chunk program's
         cpu_heads = {st["name"] for i, st in enumerate(m.get("decode_program", [])) if i in self._downstream_of_select(m["decode_program"])}
         self._one_row_heads = cpu_heads if self._cpu_prefill else {self._head}
+        # With a decode graph, prefill ends in it: always when the CPU prefills too (one step instead of the head, and
+        # no one-row head session), else only when that saves a chunk (on the NPU a CPU step costs more than the head).
+        self._ends_in_graph = self._decode_graph is not None and self._on_cpu("prefill")
         self._lazy_heads: set[str | None] = set()
-        if self._decode_graph is not None:  # scoring (all_logits) creates them when a chunk has one row
+        if self._ends_in_graph:  # scoring (all_logits) creates them when a chunk has one row
             self._lazy_heads, self._one_row_heads = self._one_row_heads | {self._head}, set()
         self._bound: dict[tuple[str, int], BoundGraph] = {}
         self.tokenizer = None
@@ -586,9 +589,9 @@ class Session:
 
         Returns the last token's logits ``[vocab]``, or with ``all_logits`` the
         logits of every fed position ``[len(ids), vocab]``. With a decode graph
-        the last token (and a tail of up to C / ``TAIL_DIVISOR`` tokens after the
-        last whole chunk) goes through it, so no one-row head session is needed
-        and a prompt just past a chunk boundary does not prefill a padded chunk.
+        a tail of up to C / ``TAIL_DIVISOR`` tokens after the last whole chunk and
+        the last token go through it instead of a mostly padded chunk; when the
+        CPU also prefills, the last token always does (no one-row head session).
         """
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):
@@ -602,11 +605,12 @@ class Session:
                 hint="shorten the prompt, or recompile with a larger --max-context",
             )
         C = self.chunk
-        if self._decode_graph is not None and not all_logits:
+        body = len(ids) - 1
+        short_tail = body % C <= C // TAIL_DIVISOR  # the last chunk would hold at most a short tail and the last token
+        if self._decode_graph is not None and not all_logits and (short_tail or self._ends_in_graph):
             # Whole chunks through the prefill program, then the last token (the one that needs logits),
             # and a short tail before it rather than a mostly padded chunk, through the decode graph
-            body = len(ids) - 1
-            tail = body % C if body % C <= C // TAIL_DIVISOR else 0
+            tail = body % C if short_tail else 0
             if body - tail:
                 k = -(-(body - tail) // C)
                 run = self._prefill_cpu_program if self._cpu_prefill else self._prefill_scheduled

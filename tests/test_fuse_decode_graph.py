@@ -164,3 +164,45 @@ def test_empty_prompt_is_a_named_error(bundles):
 
     with pytest.raises(PromptTooLongError, match="empty"):
         Session(bundles("llama"), "cpu").prefill([])
+
+
+@pytest.mark.parametrize("n,chunks,steps", [(5, 0, 5), (257, 1, 1), (300, 2, 1)])
+def test_schedule_prices_prefill_ending_in_the_decode_graph(tmp_path, n, chunks, steps):
+    """The schedule mirrors Session.prefill (chunk 256, CPU placement): the timeline covers the chunked
+    tokens and head_s the decode-graph steps (a short tail and the last token)."""
+    from conftest import plan_small
+
+    from llmc.analyses import Schedule
+    from llmc.passes import DEFAULT_PIPELINES
+    from llmc.passes.place import cost_model
+
+    g, ctx = plan_small(tmp_path, pipeline=DEFAULT_PIPELINES["plan-cpu"], target="cpu", prompt_len=n)
+    s = ctx.get(Schedule)
+    assert len({t.chunk for t in s.chosen.tasks}) == chunks
+    cm = cost_model(g, ctx)
+    assert s.head_s == pytest.approx(sum(cm.decode_graph_seconds(n - steps + i + 1) for i in range(steps)))
+    assert s.prefill_s > 0 and s.decode_s == pytest.approx(cm.decode_graph_seconds(n))
+
+
+def test_npu_prefill_ends_in_the_graph_only_when_that_saves_a_chunk(model_dirs, tmp_path_factory):
+    """When the CPU does not prefill (QNN), a CPU decode step costs more than the NPU head: prefill ends
+    in the decode graph only for a short tail (chunk 32: up to 2 tokens), else the chunk's head scores."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    out = tmp_path_factory.getbasetemp() / "c32"
+    if not out.exists():
+        compile_model(str(model_dirs("llama")), out, target="cpu", chunk=32, max_context=MAX_CONTEXT)
+    s = Session(out, "cpu")
+    s._ends_in_graph = False  # as with the QNN provider and prefill on the NPU
+    for n, in_graph in ((35, 3), (36, 0)):
+        ids = _ids(n, seed=n)
+        runner, calls = s._decode_graph_runner(), []
+        s._decode_runner = lambda x, p, runner=runner: calls.append(p) or runner(x, p)
+        s.reset()
+        s.position = 0
+        got = s.prefill(ids)
+        s._decode_runner = runner
+        assert len(calls) == in_graph
+        ref = hf_logits(model_dirs("llama"), ids)[-1]
+        np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max())
