@@ -52,6 +52,7 @@ from llmc import __version__
 from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, Subgraph
 from llmc.errors import UnsupportedModelError
 from llmc.ir import Graph, Node, WeightRef
+from llmc.runtime.ort_attention import node_rotates
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class _Builder:
         self.nodes: list[Any] = []
         self.consts: list[Any] = []
         self.used_weights: list[str] = []
-        self.block_sum_values: set[str] = set()  # values made once per graph (block sums, the decode position)
+        self.made_once: set[str] = set()  # values made once per graph (block sums, the decode position)
         self.scalar_weights: set[str] = set()  # one-element weights used as per-tensor quantization scales
         self.extra_inputs: list[Any] = []  # graph inputs and outputs beyond the subgraph's values (the decode graph's caches)
         self.extra_outputs: list[Any] = []
@@ -204,8 +205,8 @@ class _Builder:
         """``x [R, nb * block]`` summed over each block of inputs, ``[R, nb]``; once per value and graph
         (q/k/v and gate/up share theirs)."""
         out = f"{x}.blocksum{block}"
-        if out not in self.block_sum_values:
-            self.block_sum_values.add(out)
+        if out not in self.made_once:
+            self.made_once.add(out)
             shape = self.const(f"{out}.shape", np.array([self.rows, nb, block], np.int64))
             axes = self.const(f"{out}.axes", np.array([2], np.int64))
             self.add("Reshape", [x, shape], [f"{out}.blocks"], f"{out}.blocks")
@@ -286,6 +287,12 @@ class _Builder:
         return model
 
 
+def _kv_names(layer: int) -> dict[str, str]:
+    """The decode graph's cache inputs and outputs of ``layer`` (bound to the same memory by the runtime)."""
+    return {"past_key": f"past_key.{layer}", "past_value": f"past_value.{layer}", "present_key": f"present_key.{layer}",
+            "present_value": f"present_value.{layer}"}
+
+
 def packed_qkv(attn: Node):
     """The fused projection whose consecutive column slices are ``attn``'s q, k and v (all of it), or None."""
     a = attn.attrs
@@ -315,8 +322,6 @@ class _DecodeBuilder(_Builder):
 
         from llmc.runtime import kernels
 
-        self.dg = dg
-        self.capacity = dg.capacity
         # cos/sin of every position, as the runtime's RotaryTable computes them
         table = graph.node(dg.rotary)
         inv_freq = np.asarray(graph.weights.load(table.weights["inv_freq"].name), np.float32)
@@ -327,18 +332,17 @@ class _DecodeBuilder(_Builder):
         vi = self.helper.make_tensor_value_info
         self.extra_inputs += [vi(DECODE_SEQLENS, TensorProto.INT32, [1]), vi(DECODE_TOTAL, TensorProto.INT32, [])]
         for layer, kv, d in dg.layers:
-            shape = [1, kv, self.capacity, d]
-            self.extra_inputs += [vi(f"past_key.{layer}", TensorProto.FLOAT, shape), vi(f"past_value.{layer}", TensorProto.FLOAT, shape)]
-            self.extra_outputs += [vi(f"present_key.{layer}", TensorProto.FLOAT, shape), vi(f"present_value.{layer}", TensorProto.FLOAT, shape)]
+            shape, names = [1, kv, dg.capacity, d], _kv_names(layer)
+            self.extra_inputs += [vi(names[k], TensorProto.FLOAT, shape) for k in ("past_key", "past_value")]
+            self.extra_outputs += [vi(names[k], TensorProto.FLOAT, shape) for k in ("present_key", "present_value")]
 
     def lower(self, n: Node) -> None:
         x = [v.name for v in n.inputs]
         y = [v.name for v in n.outputs]
-        p = n.name
         if n.op == "Attention":
             self.attention(n, x, y)
         elif n.op == "SelectRows":
-            self.add("Identity", x, y, p)  # the one row is the row that needs logits
+            self.add("Identity", x, y, n.name)  # the one row is the row that needs logits
         elif n.op == "Slice" and all(u.op == "Attention" and self.packed(u) is not None for u, _ in n.outputs[0].uses):
             pass  # read only by attention nodes that take the fused projection packed
         else:
@@ -346,8 +350,8 @@ class _DecodeBuilder(_Builder):
 
     @staticmethod
     def node_rotates(attn: Node) -> bool:
-        """Whether ``GroupQueryAttention`` rotates q and k itself: all of the head (its CPU kernel: a head size that is a multiple of 16)."""
-        return attn.attrs["rotary_dim"] == attn.attrs["head_dim"] and attn.attrs["head_dim"] % 16 == 0
+        """Whether ``GroupQueryAttention`` rotates q and k itself (the runtime's rule for its attention calls)."""
+        return node_rotates(attn.attrs["rotary_dim"], attn.attrs["head_dim"])
 
     def packed(self, attn: Node):
         """The fused projection ``attn`` takes whole (see :func:`packed_qkv`) when its node also rotates q and k, else None."""
@@ -358,7 +362,7 @@ class _DecodeBuilder(_Builder):
         head sizes) by ONNX ``RotaryEmbedding`` at the position ``seqlens_k``; ``GroupQueryAttention`` over the
         layer's caches, a sliding window as its ``local_window_size`` (the same number: the tests check it against
         HF's Mistral and the numpy kernel past the window)."""
-        a, p, layer = n.attrs, n.name, n.attrs["layer"]
+        a, p, kv = n.attrs, n.name, _kv_names(n.attrs["layer"])
         s3 = self.const(f"{p}.shape3", np.array([1, 1, -1], np.int64))
         packed = self.packed(n)  # q, k and v are slices of one fused projection: the node takes it whole
         qkv = [packed.name] if packed is not None else x[:3]
@@ -373,20 +377,20 @@ class _DecodeBuilder(_Builder):
                          num_heads=heads, rotary_embedding_dim=a["rotary_dim"], interleaved=0)
                 qkv[i] = f"{qkv[i]}.rot"
         ins = qkv + ([""] * 2 if packed is not None else [])
-        ins += [f"past_key.{layer}", f"past_value.{layer}", DECODE_SEQLENS, DECODE_TOTAL] + rotary
+        ins += [kv["past_key"], kv["past_value"], DECODE_SEQLENS, DECODE_TOTAL] + rotary
         attrs = {"num_heads": a["num_heads"], "kv_num_heads": a["num_kv_heads"], "scale": float(a["scale"])}
         if rotary:
             attrs.update(do_rotary=1, rotary_interleaved=0)
         if a["sliding_window"]:
             attrs["local_window_size"] = int(a["sliding_window"])
-        self.add("GroupQueryAttention", ins, [f"{p}.bsd", f"present_key.{layer}", f"present_value.{layer}"], p, domain=MS_DOMAIN, **attrs)
+        self.add("GroupQueryAttention", ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=MS_DOMAIN, **attrs)
         self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([1, -1], np.int64))], y, f"{p}.rows")
 
     def position_ids(self) -> str:
         """The token's position ``[1, 1]`` (int64), from the cache length; made once per graph."""
         out = "decode.position_ids"
-        if out not in self.block_sum_values:  # the set of values made once per graph
-            self.block_sum_values.add(out)
+        if out not in self.made_once:
+            self.made_once.add(out)
             self.add("Cast", [DECODE_SEQLENS], ["decode.position"], "decode.position", to=7)
             self.add("Reshape", ["decode.position", self.const(f"{out}.shape", np.array([1, 1], np.int64))], [out], out)
         return out
@@ -432,8 +436,7 @@ def emit_decode_graph(graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str
     Its manifest entry also lists the graph's cache-length inputs and, per layer,
     the names of its past and present K/V (``"kv"``)."""
     entry = _write(graph, dg.subgraph, [_DecodeBuilder(graph, dg, weights, fed)], weights, root, "cpu", frozenset(), fed)
-    entry["kv"] = [{"layer": layer, "past_key": f"past_key.{layer}", "past_value": f"past_value.{layer}",
-                    "present_key": f"present_key.{layer}", "present_value": f"present_value.{layer}"} for layer, _, _ in dg.layers]
+    entry["kv"] = [{"layer": layer, **_kv_names(layer)} for layer, _, _ in dg.layers]
     entry["seqlens"], entry["total_len"] = DECODE_SEQLENS, DECODE_TOTAL
     return {dg.subgraph.name: entry}
 
@@ -455,7 +458,7 @@ def _write(graph: Graph, sub: Subgraph, builders: list[_Builder], weights: dict[
         "placement": placement,
         "nodes": len(sub.nodes),
         "ops": sorted({graph.node(x).op for x in sub.nodes}),
-        "inputs": [{"name": n, "features": vals[n].shape[1] if len(vals[n].shape) > 1 else 1, "dtype": vals[n].dtype} for n in sub.inputs],
+        "inputs": [{"name": n, "features": vals[n].shape[1], "dtype": vals[n].dtype} for n in sub.inputs],
         "outputs": [{"name": n, "features": vals[n].shape[1], "dtype": vals[n].dtype} for n in sub.outputs],
         "weights": used,
         "weight_bytes": sum(weights[w]["nbytes"] for w in used),

@@ -46,7 +46,7 @@ from llmc.cost_model import CostModel
 from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
 from llmc.passes.place import cost_model, prompt_len
-from llmc.runtime.session import TAIL_DIVISOR
+from llmc.runtime.session import tokens_in_graph
 
 log = logging.getLogger(__name__)
 
@@ -177,10 +177,8 @@ class ScheduleSteps(Pass):
         tokens = prompt_len(ctx)
         decode_on_cpu = all(placement.decode[s.name] == "cpu" for s in plan.steps if s.kind == "graph")
         one_processor = all(p == "cpu" for p in placement.prefill.values())  # nothing to overlap: in order is optimal
-        in_graph = 0  # prompt tokens the runtime feeds through the decode graph (a tail and the last one), as Session.prefill
-        short_tail = (tokens - 1) % c <= c // TAIL_DIVISOR
-        if decode_on_cpu and cm.decode_graph is not None and (short_tail or one_processor):
-            in_graph = 1 + ((tokens - 1) % c if short_tail else 0)
+        # prompt tokens the runtime feeds through the decode graph (a tail and the last one), as Session.prefill
+        in_graph = tokens_in_graph(tokens, c, one_processor) if decode_on_cpu and cm.decode_graph is not None else 0
         chunked = tokens - in_graph  # prompt tokens in chunks
         k_prompt = math.ceil(chunked / c)
         k_max = math.ceil(plan.max_context / c)

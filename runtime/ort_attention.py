@@ -131,7 +131,7 @@ class OrtAttention:
         key = (num_heads, num_kv_heads, head_dim, float(scale))
         self._session(key + (False,))
         if one_row:
-            self._one_row_sessions(key + (_node_rotates(rotary_dim, head_dim),))
+            self._one_row_sessions(key + (node_rotates(rotary_dim, head_dim),))
 
     def _session(self, key: tuple, threads: int | None = None):
         """The session of ``(heads, kv heads, head dim, scale, node rotates)`` on ``threads`` (default: all)."""
@@ -181,7 +181,7 @@ class OrtAttention:
             one = self._one.get(layer)
             if one is None:
                 # full-width rotary is done by the attention node itself, from tables of every position
-                tables = self._rotary_tables(d) if _node_rotates(rotary_dim, d) else None
+                tables = self._rotary_tables(d) if node_rotates(rotary_dim, d) else None
                 key = (h, kvh, d, float(scale), tables is not None)
                 runs = [(sess, self._cache_binding(sess, layer)) for sess in self._one_row_sessions(key)]
                 one = self._one[layer] = _OneRow(runs, h, kvh, d, tables, one_thread_len=ONE_THREAD_KV_BYTES // (2 * kvh * d * self._cache.k[layer].itemsize))
@@ -207,7 +207,7 @@ class OrtAttention:
         return out
 
 
-def _node_rotates(rotary_dim: int, head_dim: int) -> bool:
+def node_rotates(rotary_dim: int, head_dim: int) -> bool:
     """Whether ONNX Runtime's node can rotate q and k itself: all dims rotated, head size a multiple of 16 (its CPU kernel's rule)."""
     return rotary_dim == head_dim and head_dim % 16 == 0
 

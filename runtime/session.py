@@ -90,6 +90,16 @@ ONE_THREAD_BYTES = 8 << 20
 TAIL_DIVISOR = 16
 
 
+def tokens_in_graph(n: int, chunk: int, always: bool) -> int:
+    """How many of a prompt's ``n`` tokens prefill feeds through the decode graph: the last one and the
+    tail after the last whole chunk when that tail is short (it saves a mostly padded chunk), else the
+    last one if ``always`` (the CPU prefills too), else none. The schedule prices the same rule."""
+    rest = (n - 1) % chunk
+    if rest <= chunk // TAIL_DIVISOR:
+        return rest + 1
+    return 1 if always else 0
+
+
 _ARENA_REGISTERED = False
 
 
@@ -198,16 +208,15 @@ class Session:
         # the program's op steps that make the decode graph's inputs (the embedding gather)
         wanted = {x["name"] for x in self.graphs[self._decode_graph]["inputs"]} if self._decode_graph else set()
         self._decode_graph_steps = [st for st in self.program if st["kind"] == "op" and wanted.intersection(st["outputs"])]
-        # the head graphs prefill's last-token logits run at one row: none with a decode graph (it scores the last
-        # token), else the CPU program's when it prefills, else the chunk program's
-        cpu_heads = {st["name"] for i, st in enumerate(m.get("decode_program", [])) if i in self._downstream_of_select(m["decode_program"])}
-        self._one_row_heads = cpu_heads if self._cpu_prefill else {self._head}
         # With a decode graph, prefill ends in it: always when the CPU prefills too (one step instead of the head, and
         # no one-row head session), else only when that saves a chunk (on the NPU a CPU step costs more than the head).
         self._ends_in_graph = self._decode_graph is not None and self._on_cpu("prefill")
-        self._lazy_heads: set[str | None] = set()
-        if self._ends_in_graph:  # scoring (all_logits) creates them when a chunk has one row
-            self._lazy_heads, self._one_row_heads = self._one_row_heads | {self._head}, set()
+        # the head graphs (after SelectRows), and those prefill's last-token logits run at one row: the CPU program's
+        # when it prefills, else the chunk program's; none when the decode graph always scores the last token
+        # (scoring with all_logits creates them when a chunk has one row)
+        cpu_heads = {st["name"] for i, st in enumerate(m.get("decode_program", [])) if i in self._downstream_of_select(m["decode_program"])}
+        self._heads = cpu_heads | {self._head}
+        self._one_row_heads = set() if self._ends_in_graph else cpu_heads if self._cpu_prefill else {self._head}
         self._bound: dict[tuple[str, int], BoundGraph] = {}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
@@ -388,8 +397,8 @@ class Session:
         """The phase in which this session runs graph instance (``name``, ``rows``), or None if it never does."""
         if name == self.manifest.get("decode_graph"):
             return "decode" if name == self._decode_graph else None
-        if rows == 1 and self._decode_graph is not None and (self.chunk > 1 or name in self._lazy_heads):
-            return None  # decode is the one graph, which also scores prefill's last token (with --chunk 1 the other one-row instances are prefill's)
+        if rows == 1 and self._decode_graph is not None and (self.chunk > 1 or name in self._heads and not self._one_row_heads):
+            return None  # decode is the one graph (with --chunk 1 the other one-row instances are prefill's)
         if name in self._decode_graphs:  # the CPU program: decode, and prefill on the CPU
             if self._decode_program is None or rows > 1 and not self._cpu_prefill:
                 return None
@@ -605,17 +614,13 @@ class Session:
                 hint="shorten the prompt, or recompile with a larger --max-context",
             )
         C = self.chunk
-        body = len(ids) - 1
-        short_tail = body % C <= C // TAIL_DIVISOR  # the last chunk would hold at most a short tail and the last token
-        if self._decode_graph is not None and not all_logits and (short_tail or self._ends_in_graph):
-            # Whole chunks through the prefill program, then the last token (the one that needs logits),
-            # and a short tail before it rather than a mostly padded chunk, through the decode graph
-            tail = body % C if short_tail else 0
-            if body - tail:
-                k = -(-(body - tail) // C)
-                run = self._prefill_cpu_program if self._cpu_prefill else self._prefill_scheduled
-                run(ids[: body - tail], [None] * k)
-            for t in ids[body - tail : -1]:
+        in_graph = tokens_in_graph(len(ids), C, self._ends_in_graph) if self._decode_graph is not None and not all_logits else 0
+        if in_graph:
+            # whole chunks through the prefill program, then the tail and the last token through the decode graph
+            chunked = len(ids) - in_graph
+            if chunked:
+                self._prefill_chunks(ids[:chunked], [None] * -(-chunked // C))
+            for t in ids[chunked:-1]:
                 self.decode(int(t))
             return self.decode(int(ids[-1]))
         k = -(-len(ids) // C)
@@ -627,8 +632,12 @@ class Session:
         if self.residency is not None:  # the order the steps will run in, then decode's, for the prefetcher
             order = [j for _, j in self._order(k)] + [j for r in rows if r is not None for j in sorted(self._head_steps)]
             self.residency.streaming.schedule(order, then_repeat=self._all_steps)
-        out = self._prefill_cpu_program(ids, rows) if self._cpu_prefill else self._prefill_scheduled(ids, rows)
+        out = self._prefill_chunks(ids, rows)
         return np.concatenate(out) if all_logits else out[-1][0]
+
+    def _prefill_chunks(self, ids: np.ndarray, logits_for: list[np.ndarray | None]) -> list[np.ndarray | None]:
+        """``ids`` in chunks through the CPU program when the CPU prefills with it, else the compiled schedule."""
+        return self._prefill_cpu_program(ids, logits_for) if self._cpu_prefill else self._prefill_scheduled(ids, logits_for)
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token through the decode graph (one call), the CPU decode program, or the

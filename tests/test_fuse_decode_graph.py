@@ -132,16 +132,23 @@ def test_chunk_1_bundle_warms_up_every_prefill_session(model_dirs, tmp_path):
     assert set(s._sessions) == before
 
 
+@pytest.fixture(scope="module")
+def c32_bundle(model_dirs, tmp_path_factory):
+    """The tiny llama, cpu target, chunk 32 (a tail of up to 2 tokens goes through the decode graph)."""
+    from llmc.compile import compile_model
+
+    out = tmp_path_factory.mktemp("c32") / "llama"
+    compile_model(str(model_dirs("llama")), out, target="cpu", chunk=32, max_context=MAX_CONTEXT)
+    return out
+
+
 @pytest.mark.parametrize("n,graph_calls,chunks", [(33, 1, 1), (35, 3, 1), (36, 1, 2), (1, 1, 0)])
-def test_prefill_ends_in_the_decode_graph(model_dirs, tmp_path_factory, monkeypatch, n, graph_calls, chunks):
+def test_prefill_ends_in_the_decode_graph(c32_bundle, model_dirs, monkeypatch, n, graph_calls, chunks):
     """The last prompt token, and a tail of up to C/16 tokens after the last whole chunk, run through
     the decode graph (chunk 32: up to 2), and prefill gives HF's logits; all_logits keeps the chunks."""
-    from llmc.compile import compile_model
     from llmc.runtime import Session
 
-    out = tmp_path_factory.getbasetemp() / "c32"
-    if not out.exists():
-        compile_model(str(model_dirs("llama")), out, target="cpu", chunk=32, max_context=MAX_CONTEXT)
+    out = c32_bundle
     ids = _ids(n, seed=n)
     ref = hf_logits(model_dirs("llama"), ids)
     s = Session(out, "cpu")
@@ -184,16 +191,12 @@ def test_schedule_prices_prefill_ending_in_the_decode_graph(tmp_path, n, chunks,
     assert s.prefill_s > 0 and s.decode_s == pytest.approx(cm.decode_graph_seconds(n))
 
 
-def test_npu_prefill_ends_in_the_graph_only_when_that_saves_a_chunk(model_dirs, tmp_path_factory):
+def test_npu_prefill_ends_in_the_graph_only_when_that_saves_a_chunk(c32_bundle, model_dirs):
     """When the CPU does not prefill (QNN), a CPU decode step costs more than the NPU head: prefill ends
     in the decode graph only for a short tail (chunk 32: up to 2 tokens), else the chunk's head scores."""
-    from llmc.compile import compile_model
     from llmc.runtime import Session
 
-    out = tmp_path_factory.getbasetemp() / "c32"
-    if not out.exists():
-        compile_model(str(model_dirs("llama")), out, target="cpu", chunk=32, max_context=MAX_CONTEXT)
-    s = Session(out, "cpu")
+    s = Session(c32_bundle, "cpu")
     s._ends_in_graph = False  # as with the QNN provider and prefill on the NPU
     for n, in_graph in ((35, 3), (36, 0)):
         ids = _ids(n, seed=n)
