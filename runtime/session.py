@@ -397,7 +397,7 @@ class Session:
         """The phase in which this session runs graph instance (``name``, ``rows``), or None if it never does."""
         if name == self.manifest.get("decode_graph"):
             return "decode" if name == self._decode_graph else None
-        if rows == 1 and self._decode_graph is not None and (self.chunk > 1 or name in self._heads and not self._one_row_heads):
+        if rows == 1 and self._decode_graph is not None and name not in self._one_row_heads and (self.chunk > 1 or name in self._heads):
             return None  # decode is the one graph (with --chunk 1 the other one-row instances are prefill's)
         if name in self._decode_graphs:  # the CPU program: decode, and prefill on the CPU
             if self._decode_program is None or rows > 1 and not self._cpu_prefill:

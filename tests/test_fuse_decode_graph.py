@@ -209,3 +209,17 @@ def test_npu_prefill_ends_in_the_graph_only_when_that_saves_a_chunk(c32_bundle, 
         assert len(calls) == in_graph
         ref = hf_logits(model_dirs("llama"), ids)[-1]
         np.testing.assert_allclose(got, ref, atol=1e-4 * np.abs(ref).max())
+
+
+def test_npu_prefill_keeps_the_one_row_head_warm(c32_bundle, monkeypatch):
+    """With decode on the CPU but prefill elsewhere (QNN), a longer last chunk is scored by the head at
+    one row: warmup creates that session, so no prefill prepares a graph."""
+    from llmc.runtime import Session
+
+    monkeypatch.setattr(Session, "_on_cpu", lambda self, phase: phase == "decode")
+    s = Session(c32_bundle, "cpu")
+    assert s._decode_graph and not s._ends_in_graph
+    before = set(s._sessions)
+    assert ("head", 1, False) in before and ("decode_model", 1, False) in before
+    s.prefill(_ids(36))  # the last chunk holds 4 tokens: the head scores it
+    assert set(s._sessions) == before
