@@ -64,6 +64,7 @@ class FuseSiblingLinears(Pass):
             raise CompileError("fuse_sibling_linears rewrites the IR after chunk_static_graphs has cut it",
                                hint="put fuse_sibling_linears before chunk_static_graphs in --pipeline")
         store = graph.weights
+        order = {n.name: i for i, n in enumerate(graph.nodes)}  # merging keeps the original nodes' relative order
         merged = 0
         for node in list(graph.nodes):  # every value is produced by a node or is a graph input; merge per producer's outputs
             for value in list(node.outputs):
@@ -74,7 +75,7 @@ class FuseSiblingLinears(Pass):
                         groups.setdefault(key, []).append(user)
                 for members in groups.values():
                     if len(members) > 1:
-                        self._merge(graph, store, members)
+                        self._merge(graph, store, sorted(members, key=lambda n: order[n.name]))
                         merged += 1
         if merged:
             log.info("%s: %d groups of Linears merged", self.name, merged)
@@ -82,8 +83,7 @@ class FuseSiblingLinears(Pass):
 
     @staticmethod
     def _merge(graph: Graph, store, members: list[Node]) -> None:
-        order = {n.name: i for i, n in enumerate(graph.nodes)}
-        members.sort(key=lambda n: order[n.name])
+        """Replace ``members`` (in graph order) by one node over their concatenated weights and a Slice per member."""
         first = members[0]
         name = _merged_name([n.name for n in members])
         weights = {}

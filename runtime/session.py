@@ -205,9 +205,9 @@ class Session:
         # Decode as one graph call per token (fuse_decode_graph) when the CPU runs decode
         self._decode_graph: str | None = m.get("decode_graph") if self._on_cpu("decode") else None
         self._decode_runner: DecodeGraphRunner | None = None
-        # the program's op steps that make the decode graph's inputs (the embedding gather)
-        wanted = {x["name"] for x in self.graphs[self._decode_graph]["inputs"]} if self._decode_graph else set()
-        self._decode_graph_steps = [st for st in self.program if st["kind"] == "op" and wanted.intersection(st["outputs"])]
+        # the decode graph's inputs (the embedding row) and the program's op steps that make them (the gather)
+        self._decode_graph_inputs = [x["name"] for x in self.graphs[self._decode_graph]["inputs"]] if self._decode_graph else []
+        self._decode_graph_steps = [st for st in self.program if st["kind"] == "op" and set(self._decode_graph_inputs).intersection(st["outputs"])]
         # With a decode graph, prefill ends in it: always when the CPU prefills too (one step instead of the head, and
         # no one-row head session), else only when that saves a chunk (on the NPU a CPU step costs more than the head).
         self._ends_in_graph = self._decode_graph is not None and self._on_cpu("prefill")
@@ -651,7 +651,7 @@ class Session:
             buf = self._feeds(np.array([token], np.int64), start)
             for s in self._decode_graph_steps:  # the embedding gather, then the graph
                 self._run_step(s, buf, start, 1, None, "decode")
-            logits = self._decode_graph_runner()([buf[x["name"]] for x in self.graphs[self._decode_graph]["inputs"]], start)
+            logits = self._decode_graph_runner()([buf[x] for x in self._decode_graph_inputs], start)
             self.position = start + 1
             return logits
         if self.residency is not None:
