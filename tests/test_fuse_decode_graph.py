@@ -223,3 +223,13 @@ def test_npu_prefill_keeps_the_one_row_head_warm(c32_bundle, monkeypatch):
     assert ("head", 1, False) in before and ("decode_model", 1, False) in before
     s.prefill(_ids(36))  # the last chunk holds 4 tokens: the head scores it
     assert set(s._sessions) == before
+
+
+def test_only_the_decode_graph_session_spins(bundles):
+    """The decode graph's workers spin between its kernels; every other session's sleep (they run in turn)."""
+    from llmc.runtime import Session
+
+    s = Session(bundles("llama"), "cpu", threads=2)
+    spinning = {name for (name, _, _), (sess, _) in s._sessions.items()
+                if sess.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"}
+    assert spinning == {"decode_model"} and len(s._sessions) > 1
