@@ -12,7 +12,8 @@ one call, with attention between. The results are the same numbers the chunk
 program computes; only where the correction runs changes.
 
 Its graphs are instantiated at one row and at the chunk's rows. The runtime
-uses this program for decode when the CPU runs it, and for prefill when the
+uses this program for decode when the CPU runs it and the bundle has no decode
+graph (``fuse_decode_graph``), and for prefill when the
 CPU runs every prefill graph (the CPU provider; the corrections then run on all of ONNX Runtime's threads,
 with no Python step between a correction and its matmuls: SmolLM2 prefill at
 512 tokens 1.31x faster, same-process A/B); the QNN provider keeps the chunk

@@ -80,7 +80,7 @@ def why_not(graph: Graph) -> str | None:
 
 class FuseDecodeGraph(Pass):
     name = "fuse_decode_graph"
-    summary = "decode on the CPU as one graph per token: the whole model, attention over the KV cache included"
+    summary = "decode on the CPU as one graph per token: the model after its embedding, attention over the KV cache included"
     requires = ()
     produces = ()  # DecodeGraph, when the model allows it and there is no memory budget
 
