@@ -331,10 +331,12 @@ class _DecodeBuilder(_Builder):
         self.const("rotary.sin_cache", np.ascontiguousarray(sin[:, :half]))
         vi = self.helper.make_tensor_value_info
         self.extra_inputs += [vi(DECODE_SEQLENS, TensorProto.INT32, [1]), vi(DECODE_TOTAL, TensorProto.INT32, [])]
+        int8 = {n.attrs["layer"] for n in graph.find("Attention") if "k_scale" in n.weights}  # quantize_kv_cache
         for layer, kv, d in dg.layers:
             shape, names = [1, kv, dg.capacity, d], _kv_names(layer)
-            self.extra_inputs += [vi(names[k], TensorProto.FLOAT, shape) for k in ("past_key", "past_value")]
-            self.extra_outputs += [vi(names[k], TensorProto.FLOAT, shape) for k in ("present_key", "present_value")]
+            elem = TensorProto.INT8 if layer in int8 else TensorProto.FLOAT
+            self.extra_inputs += [vi(names[k], elem, shape) for k in ("past_key", "past_value")]
+            self.extra_outputs += [vi(names[k], elem, shape) for k in ("present_key", "present_value")]
 
     def lower(self, n: Node) -> None:
         x = [v.name for v in n.inputs]
@@ -383,6 +385,12 @@ class _DecodeBuilder(_Builder):
             attrs.update(do_rotary=1, rotary_interleaved=0)
         if a["sliding_window"]:
             attrs["local_window_size"] = int(a["sliding_window"])
+        if "k_scale" in n.weights:  # int8 cache, per-channel scales [1, kv, 1, d] (inputs 12, 13)
+            shape = (1, a["num_kv_heads"], 1, a["head_dim"])
+            scales = [self.const(f"{p}.{w}", np.asarray(self.graph.weights.load(n.weights[w].name), np.float32).reshape(shape))
+                      for w in ("k_scale", "v_scale")]
+            ins += [""] * (12 - len(ins)) + scales
+            attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
         self.add("GroupQueryAttention", ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=MS_DOMAIN, **attrs)
         self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([1, -1], np.int64))], y, f"{p}.rows")
 

@@ -27,7 +27,8 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   the CPU, 2 on the NPU's 16-bit activations) / ``mem_bytes_per_s``.
 * ``Attention`` (CPU) of n new rows over S keys, H heads of D:
   ``max(4nSHD / cpu.attention_flops_per_s, 8S·kvH·D / cpu.kv_bytes_per_s)``
-  (``kv_bytes_per_s`` defaults to ``cpu.mem_bytes_per_s``).
+  (``kv_bytes_per_s`` defaults to ``cpu.mem_bytes_per_s``); ``2S·kvH·D`` bytes
+  with an int8 cache (``quantize_kv_cache``).
 * ``ShadowOutliers`` (CPU) for N outputs of the Linears reading x: a scan of
   ``x`` (``8nF`` bytes), the correction ``max(2nUN / cpu.fp32_flops_per_s,
   4UN / cpu.mem_bytes_per_s)`` over the U channels expected to hold an outlier
@@ -149,7 +150,8 @@ class CostModel:
         if op == "Attention":
             h, kvh, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
             s = min(keys, a["sliding_window"] + n - 1) if a["sliding_window"] else keys
-            return max(4.0 * n * s * h * d / p["cpu.attention_flops_per_s"], 8.0 * s * kvh * d / (p.get("cpu.kv_bytes_per_s") or bw))
+            width = 1.0 if "k_scale" in node.weights else 4.0  # an int8 cache (quantize_kv_cache) or float32
+            return max(4.0 * n * s * h * d / p["cpu.attention_flops_per_s"], 2.0 * width * s * kvh * d / (p.get("cpu.kv_bytes_per_s") or bw))
         if op == "ShadowOutliers":
             x = node.inputs[0]
             f = _features(x.shape)

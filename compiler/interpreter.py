@@ -84,7 +84,8 @@ class Interpreter:
         """
         ids = np.asarray(ids, np.int64)
         T = len(ids)
-        cache = kernels.KVCache(self.attn_layers, T)
+        scales = {n.attrs["layer"]: (self.weight(n, "k_scale"), self.weight(n, "v_scale")) for n in self.graph.find("Attention") if "k_scale" in n.weights}
+        cache = kernels.KVCache(self.attn_layers, T, scales)
         env: dict[str, np.ndarray] = {}
         for v in self.graph.inputs:
             env[v.name] = ids if v.name.startswith("input_ids") else np.arange(T, dtype=np.int64)

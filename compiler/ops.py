@@ -184,6 +184,9 @@ def _attention(node: "Node"):
         raise ValueError(f"q/k/v widths {q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]} do not fit {h} heads, {kv} kv heads of {d}")
     if h % kv:
         raise ValueError(f"{h} heads is not a multiple of {kv} kv heads")
+    scales = [node.weights[w] for w in ("k_scale", "v_scale") if w in node.weights]
+    if scales and (len(scales) != 2 or any(w.shape != (kv, d) for w in scales)):
+        raise ValueError(f"an int8 KV cache needs k_scale and v_scale of shape ({kv}, {d}), has {[w.shape for w in scales]}")
     return [((q.shape[0], h * d), "float32")]
 
 
@@ -207,8 +210,8 @@ OPS: dict[str, OpDef] = {
             (3, 5),
             ("layer", "num_heads", "num_kv_heads", "head_dim", "scale", "rotary_dim", "sliding_window"),
             (),
-            (),
-            "causal GQA attention with rotary embedding over the KV cache (CPU, per chunk)",
+            ("k_scale", "v_scale"),
+            "causal GQA attention with rotary embedding over the KV cache (CPU, per chunk); int8 cache with k_scale/v_scale",
             _attention,
         ),
         OpDef("SelectRows", "dynamic", (1, 1), ("rows",), (), (), "pick the rows that need logits (last token, or all for scoring)", _select_rows),

@@ -11,16 +11,54 @@ import numpy as np
 
 
 class KVCache:
-    """Per-layer K and V buffers ``[kv_heads, capacity, head_dim]``, preallocated."""
+    """Per-layer K and V buffers ``[kv_heads, capacity, head_dim]``, preallocated.
 
-    def __init__(self, layers: dict[int, tuple[int, int]], capacity: int) -> None:
+    A layer listed in ``scales`` (``(k_scale, v_scale)``, each ``[kv_heads, head_dim]``)
+    keeps int8 codes: a stored row is ``clip(rint(x / scale), -128, 127)`` and reads
+    back as ``code * scale`` (ONNX Runtime's ``GroupQueryAttention`` with a
+    ``PER_CHANNEL`` int8 cache; ``llmc.passes.quantize_kv_cache``). Other layers are float32.
+    """
+
+    def __init__(self, layers: dict[int, tuple[int, int]], capacity: int,
+                 scales: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
         self.capacity = capacity
-        self.k = {l: np.zeros((kv, capacity, d), np.float32) for l, (kv, d) in layers.items()}
-        self.v = {l: np.zeros((kv, capacity, d), np.float32) for l, (kv, d) in layers.items()}
+        self.scales = {l: (np.asarray(k, np.float32).reshape(layers[l]), np.asarray(v, np.float32).reshape(layers[l]))
+                       for l, (k, v) in (scales or {}).items()}
+        dtype = {l: np.int8 if l in self.scales else np.float32 for l in layers}
+        self.k = {l: np.zeros((kv, capacity, d), dtype[l]) for l, (kv, d) in layers.items()}
+        self.v = {l: np.zeros((kv, capacity, d), dtype[l]) for l, (kv, d) in layers.items()}
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k.values()) + sum(a.nbytes for a in self.v.values())
+
+    def quantized(self, layer: int) -> bool:
+        return layer in self.scales
+
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store rows ``k``/``v`` (``[kv_heads, n, head_dim]``) at positions ``start..``."""
+        end = start + k.shape[1]
+        for cache, x, i in ((self.k[layer], k, 0), (self.v[layer], v, 1)):
+            if layer in self.scales:
+                x = quantize_kv(x, self.scales[layer][i])
+            cache[:, start:end] = x
+
+    def read(self, layer: int, lo: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """K and V (``[kv_heads, end - lo, head_dim]``, float32) of positions ``lo..end-1``."""
+        k, v = self.k[layer][:, lo:end], self.v[layer][:, lo:end]
+        if layer in self.scales:
+            ks, vs = self.scales[layer]
+            k = k * ks[:, None, :]
+            v = v * vs[:, None, :]
+        return k, v
+
+
+def quantize_kv(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """int8 codes of ``x [kv_heads, n, head_dim]`` with per-channel ``scale [kv_heads, head_dim]``
+    (round half to even, saturating, as ONNX Runtime's quantized cache)."""
+    q = np.rint(x / scale[:, None, :])
+    np.clip(q, -128, 127, out=q)
+    return q.astype(np.int8)
 
 
 def embedding(ids: np.ndarray, table: np.ndarray, scale: float) -> np.ndarray:
@@ -111,13 +149,11 @@ def attention(
         qh = _rope(qh, cos[:n], sin[:n], rotary_dim)
         kh = _rope(kh, cos[:n], sin[:n], rotary_dim)
     end = start + n
-    kc, vc = cache.k[layer], cache.v[layer]
-    kc[:, start:end] = kh.transpose(1, 0, 2)
-    vc[:, start:end] = vh.transpose(1, 0, 2)
+    cache.write(layer, start, kh.transpose(1, 0, 2), vh.transpose(1, 0, 2))
     lo = max(0, end - n - sliding_window + 1) if sliding_window else 0
+    keys, values = cache.read(layer, lo, end)  # [kv, s, d]
     # Contiguous [kv, d, s] keys so the batched matmul below goes to BLAS.
-    keys_t = np.ascontiguousarray(kc[:, lo:end].transpose(0, 2, 1))
-    values = vc[:, lo:end]  # [kv, s, d]
+    keys_t = np.ascontiguousarray(keys.transpose(0, 2, 1))
     # Head j uses kv head j // g (HF repeat_kv), so group query heads by kv head.
     qg = np.ascontiguousarray(qh.transpose(1, 0, 2)).reshape(kvh, g * n, d)
     scores = np.matmul(qg, keys_t)  # [kv, g*n, s]

@@ -12,7 +12,9 @@ serialised here with a minimal protobuf writer (the fields used are listed in
 the numpy kernel); for one row the node rotates q and k itself from tables of
 every position filled from the program's ``RotaryTable`` (partial rotary keeps
 the numpy arithmetic, into bound buffers); sliding-window attention keeps the
-numpy kernel.
+numpy kernel. A layer with an int8 cache (``--kv-cache int8``) gets the node's
+``PER_CHANNEL`` int8 cache: it quantizes the rows it appends with the layer's
+scales, bound as two more inputs.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def _float(field: int, v: float) -> bytes:
     return _key(field, 5) + struct.pack("<f", v)
 
 
-_FLOAT, _INT32 = 1, 6  # TensorProto.DataType
+_FLOAT, _INT8, _INT32 = 1, 3, 6  # TensorProto.DataType
 
 
 def _value_info(name: str, elem: int, dims: list[int | str]) -> bytes:
@@ -72,7 +74,12 @@ def _attr_float(name: str, v: float) -> bytes:
     return _bytes(1, name) + _float(2, v) + _int(20, 1)  # AttributeProto: name, f, type=FLOAT
 
 
-def gqa_model(num_heads: int, num_kv_heads: int, head_dim: int, capacity: int, scale: float, rotary: bool = False) -> bytes:
+def _attr_str(name: str, v: str) -> bytes:
+    return _bytes(1, name) + _bytes(4, v) + _int(20, 3)  # AttributeProto: name, s, type=STRING
+
+
+def gqa_model(num_heads: int, num_kv_heads: int, head_dim: int, capacity: int, scale: float, rotary: bool = False,
+              int8_cache: bool = False) -> bytes:
     """A serialised ONNX model with one ``GroupQueryAttention`` node (batch 1).
 
     Inputs ``q [1, n, H*D]``, ``k``/``v [1, n, KV*D]`` (already rotated unless
@@ -81,21 +88,32 @@ def gqa_model(num_heads: int, num_kv_heads: int, head_dim: int, capacity: int, s
     scalar); outputs ``out [1, n, H*D]`` and ``present_k``/``present_v`` (bound
     to the same buffers as the past). With ``rotary`` the node rotates q and k
     itself (rotate-half, all D dims) at the positions after the past, from the
-    inputs ``cos_cache``/``sin_cache [capacity, D/2]``.
+    inputs ``cos_cache``/``sin_cache [capacity, D/2]``. With ``int8_cache`` the
+    caches are int8 codes with per-channel scales, the inputs ``k_scale`` and
+    ``v_scale`` ``[1, KV, 1, D]`` (see :class:`~llmc.runtime.kernels.KVCache`).
     """
     hd, kvd = num_heads * head_dim, num_kv_heads * head_dim
     cache = [1, num_kv_heads, capacity, head_dim]
+    elem = _INT8 if int8_cache else _FLOAT
     inputs = [("q", _FLOAT, [1, "n", hd]), ("k", _FLOAT, [1, "n", kvd]), ("v", _FLOAT, [1, "n", kvd]),
-              ("past_k", _FLOAT, cache), ("past_v", _FLOAT, cache), ("seqlens_k", _INT32, [1]), ("total_len", _INT32, [])]
+              ("past_k", elem, cache), ("past_v", elem, cache), ("seqlens_k", _INT32, [1]), ("total_len", _INT32, [])]
+    names = [i[0] for i in inputs]
     if rotary:
         inputs += [("cos_cache", _FLOAT, [capacity, head_dim // 2]), ("sin_cache", _FLOAT, [capacity, head_dim // 2])]
-    outputs = [("out", _FLOAT, [1, "n", hd]), ("present_k", _FLOAT, cache), ("present_v", _FLOAT, cache)]
-    node = b"".join(_bytes(1, name) for name, _, _ in inputs) + b"".join(_bytes(2, name) for name, _, _ in outputs)
+        names += ["cos_cache", "sin_cache"]
+    if int8_cache:  # the node's inputs 12 and 13; position_ids, attention_bias and head_sink stay empty
+        inputs += [("k_scale", _FLOAT, [1, num_kv_heads, 1, head_dim]), ("v_scale", _FLOAT, [1, num_kv_heads, 1, head_dim])]
+        names += [""] * (12 - len(names)) + ["k_scale", "v_scale"]
+    outputs = [("out", _FLOAT, [1, "n", hd]), ("present_k", elem, cache), ("present_v", elem, cache)]
+    node = b"".join(_bytes(1, name) for name in names) + b"".join(_bytes(2, name) for name, _, _ in outputs)
     node += _bytes(3, "attention") + _bytes(4, "GroupQueryAttention") + _bytes(7, "com.microsoft")
     node += _bytes(5, _attr_int("num_heads", num_heads)) + _bytes(5, _attr_int("kv_num_heads", num_kv_heads))
     node += _bytes(5, _attr_float("scale", scale))
     if rotary:
         node += _bytes(5, _attr_int("do_rotary", 1)) + _bytes(5, _attr_int("rotary_interleaved", 0))
+    if int8_cache:
+        node += _bytes(5, _attr_str("k_quant_type", "PER_CHANNEL")) + _bytes(5, _attr_str("v_quant_type", "PER_CHANNEL"))
+        node += _bytes(5, _attr_int("kv_cache_bit_width", 8))
     graph = _bytes(1, node) + _bytes(2, "attention")
     graph += b"".join(_bytes(11, _value_info(*i)) for i in inputs) + b"".join(_bytes(12, _value_info(*o)) for o in outputs)
     opsets = _bytes(8, _bytes(1, "") + _int(2, 21)) + _bytes(8, _bytes(1, "com.microsoft") + _int(2, 1))
@@ -117,7 +135,7 @@ class OrtAttention:
         self._cache = cache
         self._threads = threads
         self._sessions: dict[tuple, Any] = {}
-        self._caches: dict[int, tuple[Any, Any]] = {}  # layer -> K and V cache OrtValues (they keep the views alive)
+        self._caches: dict[int, tuple[Any, ...]] = {}  # layer -> K and V cache OrtValues (they keep the views alive), int8: their scales
         self._bound: dict[int, Any] = {}  # layer -> the chunks' IOBinding
         self._one: dict[int, _OneRow] = {}  # layer -> decode's binding, bound once
         self._tables: dict[int, _RotaryTables] = {}  # head dim -> decode's cos/sin by position, shared by the layers
@@ -126,15 +144,17 @@ class OrtAttention:
     def supports(attrs: dict[str, Any]) -> bool:
         return not attrs["sliding_window"]
 
-    def prepare(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rotary_dim: int = 0, one_row: bool = True, **_: Any) -> None:
+    def prepare(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rotary_dim: int = 0, one_row: bool = True, *,
+                layer: int, **_: Any) -> None:
         """Create the sessions for this configuration (chunks, and with ``one_row`` one row) now rather than on first use."""
         key = (num_heads, num_kv_heads, head_dim, float(scale))
-        self._session(key + (False,))
+        int8 = self._cache.quantized(layer)
+        self._session(key + (False, int8))
         if one_row:
-            self._one_row_sessions(key + (node_rotates(rotary_dim, head_dim),))
+            self._one_row_sessions(key + (node_rotates(rotary_dim, head_dim), int8))
 
     def _session(self, key: tuple, threads: int | None = None):
-        """The session of ``(heads, kv heads, head dim, scale, node rotates)`` on ``threads`` (default: all)."""
+        """The session of ``(heads, kv heads, head dim, scale, node rotates, int8 cache)`` on ``threads`` (default: all)."""
         threads = threads or self._threads
         sess = self._sessions.get(key + (threads,))
         if sess is None:
@@ -163,8 +183,14 @@ class OrtAttention:
         caches = self._caches.get(layer)
         if caches is None:
             ov = self._ort.OrtValue.ortvalue_from_numpy
-            caches = self._caches[layer] = (ov(self._cache.k[layer][None]), ov(self._cache.v[layer][None]))
+            caches = (ov(self._cache.k[layer][None]), ov(self._cache.v[layer][None]))
+            if self._cache.quantized(layer):  # [1, KV, 1, D], as the node broadcasts them
+                caches += tuple(ov(np.ascontiguousarray(s[None, :, None, :])) for s in self._cache.scales[layer])
+            self._caches[layer] = caches
         b = sess.io_binding()
+        if len(caches) == 4:
+            b.bind_ortvalue_input("k_scale", caches[2])
+            b.bind_ortvalue_input("v_scale", caches[3])
         b.bind_ortvalue_input("past_k", caches[0])
         b.bind_ortvalue_input("past_v", caches[1])
         b.bind_ortvalue_output("present_k", caches[0])
@@ -182,7 +208,7 @@ class OrtAttention:
             if one is None:
                 # full-width rotary is done by the attention node itself, from tables of every position
                 tables = self._rotary_tables(d) if node_rotates(rotary_dim, d) else None
-                key = (h, kvh, d, float(scale), tables is not None)
+                key = (h, kvh, d, float(scale), tables is not None, self._cache.quantized(layer))
                 runs = [(sess, self._cache_binding(sess, layer)) for sess in self._one_row_sessions(key)]
                 one = self._one[layer] = _OneRow(runs, h, kvh, d, tables, one_thread_len=ONE_THREAD_KV_BYTES // (2 * kvh * d * self._cache.k[layer].itemsize))
             return one(q, k, v, cos, sin, start, rotary_dim)
@@ -190,7 +216,7 @@ class OrtAttention:
         if rotary_dim:
             qn = kernels._rope(qn.reshape(n, h, d), cos[:n], sin[:n], rotary_dim).reshape(n, h * d)
             kn = kernels._rope(kn.reshape(n, kvh, d), cos[:n], sin[:n], rotary_dim).reshape(n, kvh * d)
-        sess = self._session((h, kvh, d, float(scale), False))
+        sess = self._session((h, kvh, d, float(scale), False, self._cache.quantized(layer)))
         b = self._bound.get(layer)
         if b is None:  # the caches stay bound as past and present across calls
             b = self._bound[layer] = self._cache_binding(sess, layer)

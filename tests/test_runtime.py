@@ -211,7 +211,7 @@ def test_ort_attention_decode_switches_to_all_threads_with_the_same_numbers(monk
     rng = np.random.default_rng(1)
     ref, cache = kernels.KVCache({0: (kvh, d)}, cap), kernels.KVCache({0: (kvh, d)}, cap)
     attn = ort_attention.OrtAttention(ort, cache, threads=2)
-    attn.prepare(h, kvh, d, 0.25, rotary_dim=d)
+    attn.prepare(h, kvh, d, 0.25, rotary_dim=d, layer=0)
     used = []
     for sess in attn._sessions.values():  # record which session each call runs on
         def spy(binding, run=sess.run_with_iobinding, threads=sess.get_session_options().intra_op_num_threads):
