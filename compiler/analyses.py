@@ -92,6 +92,17 @@ class DecodeGraph:
 # --- quantization -------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class KVCachePlan:
+    """The int8 KV cache (``quantize_kv_cache``): per attention layer, the calibration maxima its
+    per-channel scales come from (keys after rotary, as bounded from the keys before it)."""
+
+    dtype: str  # "int8"
+    layers: dict[int, tuple[float, float]]  # layer -> (largest key bound, largest value) over its channels
+    bytes_per_token: int  # K and V of one position over all layers
+    float_bytes_per_token: int  # the same in float32
+
+
 HIST_PER_OCTAVE = 16  # global |x| histogram: 16 bins per power of two (4.4% wide)
 HIST_MIN_EXP, HIST_MAX_EXP = -24, 20  # |x| below 2^-24 counts as zero; above 2^20 lands in the last bin
 CH_PER_OCTAVE = 2  # per-channel histogram: coarse, for outlier counts
@@ -152,7 +163,7 @@ class TensorStats:
 
 @dataclasses.dataclass
 class CalibrationStats:
-    """Statistics of every Linear's input, by value name (q/k/v share one)."""
+    """Statistics of every Linear's input (q/k/v share one) and of every Attention's key and value input, by value name."""
 
     corpus: str
     tokens: int

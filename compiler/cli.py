@@ -67,6 +67,9 @@ def cli(verbose: int) -> None:
 @click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True,
               help="[cpu] Weight format: float32, or int4 (weight-only, blocks of 32 weights with a scale and an offset, llama.cpp's Q4_1 grid, "
                    "the LM head at 8 bits; float activations; not with --memory-budget).")
+@click.option("--kv-cache", type=click.Choice(["float32", "int8"]), default="float32", show_default=True,
+              help="KV cache format: float32, or int8 with per-channel scales from calibration (adds the calibrate pass; "
+                   "a quarter of the cache's bytes; docs/quantization.md).")
 @click.option("--mlir-dialect", type=click.Choice(["tosa", "linalg"]), default="tosa", show_default=True, help="[mlir] Dialect of the emitted modules.")
 @click.option("--repro-dir", type=click.Path(file_okay=False), default=None, help="[mlir] Where lowering reproducers go (default: llmc-repro/ next to -o).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C (rows of the shared static graphs).")
@@ -74,8 +77,8 @@ def cli(verbose: int) -> None:
 @click.option("--pipeline", default=None, help="Comma-separated passes to run (see `llmc passes`); default depends on --target.")
 @click.option("--dump-ir", type=click.Path(file_okay=False), default=None, help="Write the IR before and after every pass into this directory.")
 @click.option("--time-passes", is_flag=True, help="Print how long each pass took.")
-@click.option("--calib", "calib_file", type=click.Path(dir_okay=False), default=None, help="[npu] Calibration text file (default: Python's bundled reference docs).")
-@click.option("--calib-tokens", type=click.IntRange(16), default=2048, show_default=True, help="[npu] Calibration tokens to run.")
+@click.option("--calib", "calib_file", type=click.Path(dir_okay=False), default=None, help="[npu, --kv-cache int8] Calibration text file (default: Python's bundled reference docs).")
+@click.option("--calib-tokens", type=click.IntRange(16), default=2048, show_default=True, help="[npu, --kv-cache int8] Calibration tokens to run.")
 @click.option("--no-shadow", is_flag=True, help="[npu] Plain per-tensor W8A8: no shadow outlier paths, ranges at the calibration max.")
 @click.option("--clip-percentile", type=click.FloatRange(50, 100, max_open=True), default=99.0, show_default=True, help="[npu] Activation clip (percentile of |x|) for shadow-enabled Linears.")
 @click.option("--shadow-keep", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="[npu] Fraction of Linear inputs (most important first) that keep a shadow path.")
@@ -95,7 +98,7 @@ def cli(verbose: int) -> None:
 @click.option("--no-cache", is_flag=True, help="Do not read or write the cache (a GGUF is then dequantized into a temporary directory under $TMPDIR, deleted once loaded).")
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @_guard
-def compile(model, out, target, weights, soc, qnn_shard_mb, qnn_shard_graphs, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
+def compile(model, out, target, weights, kv_cache, soc, qnn_shard_mb, qnn_shard_graphs, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
             shadow_keep, pruned_percentile, hot_budget, weight_granularity, profile, placement, prompt_len, memory_budget, prefetch_depth, cache_dir, no_cache, quiet):
     """Compile MODEL into a bundle.
 
@@ -124,7 +127,7 @@ def compile(model, out, target, weights, soc, qnn_shard_mb, qnn_shard_graphs, ml
     summary = compile_model(
         model, out, target=target, chunk=chunk, max_context=max_context, pipeline=pipeline, instruments=instruments, progress=progress,
         mlir_dialect=mlir_dialect, repro_dir=repro_dir, soc=soc, qnn_shard_bytes=qnn_shard_mb << 20 if qnn_shard_mb else None,
-        qnn_shard_graphs=qnn_shard_graphs, weight_format=weights,
+        qnn_shard_graphs=qnn_shard_graphs, weight_format=weights, kv_cache=kv_cache,
         calib_file=calib_file, calib_tokens=calib_tokens, cache_dir=cache_dir, shadow=not no_shadow, clip_percentile=clip_percentile,
         shadow_keep=shadow_keep, pruned_percentile=None if pruned_percentile >= 100 else pruned_percentile, hot_budget=hot_budget,
         weight_granularity=weight_granularity, profile=profile, placement=placement, prompt_len=prompt_len, memory_budget=memory_budget, prefetch_depth=prefetch_depth,
@@ -314,6 +317,15 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, mode, temperature, top_k, to
     )
 
 
+def _kv_cache_summary(m: dict) -> dict:
+    """The KV cache a session of bundle manifest ``m`` allocates: element type and bytes."""
+    attn = [s for s in m["program"] if s["kind"] == "op" and s["op"] == "Attention"]
+    int8 = [s for s in attn if "k_scale" in s.get("weights", {})]
+    per_pos = sum(2 * s["attrs"]["num_kv_heads"] * s["attrs"]["head_dim"] * (1 if s in int8 else 4) for s in attn)
+    dtype = "int8" if attn and len(int8) == len(attn) else "float32" if not int8 else "mixed"
+    return {"dtype": dtype, "bytes_per_position": per_pos, "bytes": per_pos * m["max_context"]}
+
+
 @cli.command()
 @click.argument("bundle", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
@@ -352,6 +364,7 @@ def inspect(bundle, as_json, no_verify):
         if "offload" in m else None,
         "placement": None,
         "predicted": (m.get("schedule") or {}).get("predicted"),
+        "kv_cache": _kv_cache_summary(m),
     }
     if m.get("placement"):
         pl = m["placement"]
@@ -367,6 +380,9 @@ def inspect(bundle, as_json, no_verify):
     click.echo(f"target     {m['target']}   chunk {m['chunk']}   max-context {m['max_context']}")
     click.echo(f"pipeline   {m['pipeline']}")
     click.echo(f"weights    {len(m['weights'])} tensors, {weight_bytes / 1e6:.1f} MB, stored once in {', '.join(summary['weights']['files'])}")
+    kvc = summary["kv_cache"]
+    click.echo(f"kv cache   {kvc['dtype']}{' (per-channel scales, quantize_kv_cache)' if kvc['dtype'] == 'int8' else ''}, "
+               f"{kvc['bytes_per_position'] / 1e3:.1f} kB per position, {kvc['bytes'] / 1e6:.1f} MB at max-context {m['max_context']}")
     static = len(m["graphs"]) - (1 if m.get("decode_graph") else 0)
     click.echo(f"graphs     {static} static subgraphs{' and the decode graph' if m.get('decode_graph') else ''}, "
                f"{sum(len(g['instances']) for g in m['graphs'].values())} ONNX files, {graph_bytes / 1e3:.1f} kB (weights not included)")

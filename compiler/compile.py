@@ -42,6 +42,22 @@ def default_pipeline(target: str) -> str:
     return DEFAULT_PIPELINES[target]
 
 
+KV_CACHE_FORMATS = ("float32", "int8")
+_BEFORE_CALIBRATION = ("dce", "select_logit_rows", "calibrate")  # passes that may run before calibrate (it needs float Linears)
+
+
+def with_kv_cache(names: list[str]) -> list[str]:
+    """The pass names of ``names`` with ``quantize_kv_cache`` right after ``calibrate``; without
+    ``calibrate``, both go before the first pass that rewrites the model's Linears."""
+    if "quantize_kv_cache" in names:
+        return list(names)
+    if "calibrate" in names:
+        i = names.index("calibrate") + 1
+        return names[:i] + ["quantize_kv_cache"] + names[i:]
+    i = next((j for j, n in enumerate(names) if n not in _BEFORE_CALIBRATION), len(names))
+    return names[:i] + ["calibrate", "quantize_kv_cache"] + names[i:]
+
+
 def resolve_profile(profile: str | None, soc: str | None) -> str:
     """The device profile the cost model plans for: ``--profile``, else the ``--soc``,
     else this machine's measured ``host`` profile, else Snapdragon 8 Gen 3."""
@@ -74,6 +90,7 @@ def compile_model(
     qnn_shard_bytes: int | None = None,
     qnn_shard_graphs: int | None = None,
     weight_format: str = "float32",
+    kv_cache: str = "float32",
     **quant_options: Any,
 ) -> CompileSummary:
     """Compile ``source`` into the bundle directory ``out``.
@@ -84,7 +101,8 @@ def compile_model(
     (calib_file, calib_tokens, cache_dir, shadow, clip_percentile, shadow_keep,
     pruned_percentile, hot_budget, weight_granularity); they matter for ``target="npu"``.
     ``weight_format="int4"`` (``target="cpu"`` only) runs the ``cpu-int4`` pipeline: weight-only
-    int4 Linears (``quantize_int4``).
+    int4 Linears (``quantize_int4``). ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
+    ``calibrate`` where the pipeline has none, see :func:`with_kv_cache`): an int8 KV cache.
     """
     from llmc import lift as lift_mod
     from llmc import model_source
@@ -118,7 +136,11 @@ def compile_model(
         else:
             qnn_skip = qnn_available()
     default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
+    if kv_cache not in KV_CACHE_FORMATS:
+        raise CompileError(f"unknown KV cache format {kv_cache!r}", hint="choose one of: " + ", ".join(KV_CACHE_FORMATS))
     passes = parse_pipeline(pipeline or default_pipeline(default), REGISTRY)  # fail fast on a bad --pipeline
+    if kv_cache == "int8":
+        passes = parse_pipeline(",".join(with_kv_cache([p.name for p in passes])), REGISTRY)
     names = [p.name for p in passes]
     check_weight_format(weight_format, target, names)
     if qnn_skip:

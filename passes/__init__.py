@@ -17,10 +17,11 @@ from llmc.passes.place import Place
 from llmc.passes.plan_offload import PlanOffload
 from llmc.passes.quantize import Quantize
 from llmc.passes.quantize_int4 import QuantizeInt4
+from llmc.passes.quantize_kv_cache import QuantizeKVCache
 from llmc.passes.schedule import ScheduleSteps
 from llmc.passes.select_logit_rows import SelectLogitRows
 
-ALL_PASSES = [DeadCodeElimination, Calibrate, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
+ALL_PASSES = [DeadCodeElimination, Calibrate, QuantizeKVCache, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
               AssumeShadowPlan]
 REGISTRY = {p.name: p for p in ALL_PASSES}
 

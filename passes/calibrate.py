@@ -2,7 +2,7 @@
 
 Runs the IR itself (``llmc.interpreter``, float32, the same numerics as the fp32
 bundle) on calibration tokens and keeps, per Linear input value (q/k/v share
-one): the absolute maximum, a 16-bins-per-octave histogram of ``|x|`` (for
+one), and per key and value input of every Attention (for ``quantize_kv_cache``): the absolute maximum, a 16-bins-per-octave histogram of ``|x|`` (for
 percentiles and clipping), per-channel maxima and a coarse per-channel
 histogram (for outlier counts per input channel). Bin edges sit on a grid of
 float32 values, so a value's bins are one table lookup on its top 20 bits.
@@ -36,7 +36,7 @@ from llmc.pass_manager import Pass, PassContext, PassResult
 
 log = logging.getLogger(__name__)
 
-STATS_VERSION = 2
+STATS_VERSION = 3  # 3: the Attention nodes' key and value inputs too
 SEQ_LEN = 512  # calibration text is run in sequences of this many tokens
 
 
@@ -102,7 +102,7 @@ class _Accumulator:
 
 class Calibrate(Pass):
     name = "calibrate"
-    summary = "run the model on calibration text; record per-tensor and per-channel stats of every Linear input"
+    summary = "run the model on calibration text; record per-tensor and per-channel stats of every Linear input and attention key/value"
     produces = (CalibrationStats,)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
@@ -142,13 +142,14 @@ class Calibrate(Pass):
         first_reader = {}
         for n in linears:
             first_reader.setdefault(n.inputs[0].name, n.name)
-        watched = set(first_reader.values())
+        watched = {name: (0,) for name in first_reader.values()}
+        watched.update({n.name: (1, 2) for n in graph.find("Attention")})  # keys (before rotary) and values
         stats: dict[str, _Accumulator] = {}
 
         def observe(node, inputs, outputs):
-            if node.name in watched:
-                x = inputs[0]
-                stats.setdefault(node.inputs[0].name, _Accumulator(x.shape[1])).add(x)
+            for i in watched.get(node.name, ()):
+                x = inputs[i]
+                stats.setdefault(node.inputs[i].name, _Accumulator(x.shape[1])).add(x)
 
         interp = Interpreter(graph, cache_weights=False)  # weights stay in the checkpoint's pages, one layer at a time
         sel = graph.find("SelectRows")
@@ -169,6 +170,7 @@ class Calibrate(Pass):
             "tokens": ctx.options.calib_tokens,
             "seq": SEQ_LEN,
             "linears": [(n.name, n.inputs[0].name) for n in linears],
+            "attention": [(n.name, n.inputs[1].name, n.inputs[2].name) for n in graph.find("Attention")],
             "bins": [HIST_PER_OCTAVE, HIST_MIN_EXP, HIST_MAX_EXP, CH_PER_OCTAVE, CH_MIN_EXP, BIN_KEY_SHIFT],
         }
         h.update(json.dumps(meta, sort_keys=True).encode())

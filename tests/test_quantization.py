@@ -78,7 +78,9 @@ def test_calibration_stats_and_cache(model_dirs, calib_file, tmp_path, monkeypat
     _run(g, ctx, "calibrate")
     st = ctx.get(CalibrationStats)
     linear_inputs = {n.inputs[0].name for n in g.nodes if n.op == "Linear"}
-    assert set(st.inputs) == linear_inputs
+    attention_kv = {v.name for n in g.find("Attention") for v in n.inputs[1:3]}  # for quantize_kv_cache
+    assert set(st.inputs) == linear_inputs | attention_kv
+    assert st.inputs["model.layers.0.self_attn.k_proj"].channel_absmax.shape == (g.find("Attention")[0].inputs[1].shape[-1],)
     assert st.tokens == 256 and st.corpus == str(calib_file)
     s = st.inputs["model.layers.0.input_layernorm"]
     assert s.count == 256 * 64

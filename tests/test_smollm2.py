@@ -124,6 +124,28 @@ def test_int4_bundle_quality(smol_bundles):
     assert sum(v["nbytes"] for v in m["weights"].values()) < 0.25 * fp32
 
 
+def test_int8_kv_cache_quality(smol_bundles, tmp_path):
+    """--kv-cache int8 on the int4 bundle: per-channel scales from calibration keep perplexity within
+    1% of the float32 cache (4,094 held-out tokens in windows of 2,048: 8.1148 vs 8.1131) and
+    teacher-forced greedy agreement with it at >= 90% (94.5% measured on 8 prompts; 97.7% of 300
+    held-out positions, where decode against prefill in one int4 bundle agrees at 98%), with a
+    quarter of the cache's bytes."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+    from llmc.runtime.evaluate import agreement, perplexity
+
+    out = tmp_path / "int4-kv8"
+    compile_model("smollm2-135m", out, target="cpu", weight_format="int4", kv_cache="int8", chunk=64, max_context=512,
+                  cache_dir=str(smol_bundles["cache"]), calib_tokens=1024)  # the npu bundle's calibration, from the cache
+    q4, kv8 = Session(smol_bundles["int4"]), Session(out)
+    ids = q4.encode(heldout_english())[:1024]
+    p_q4, p_kv8 = perplexity(q4, ids).perplexity, perplexity(kv8, ids).perplexity
+    assert p_kv8 <= 1.01 * p_q4, (p_kv8, p_q4)
+    a = agreement(kv8, q4, ["The capital of France is", "Once upon a time, there was a", "Photosynthesis is the process by which"], new_tokens=16)
+    assert a.teacher_forced >= 0.9, a
+    assert kv8.cache.nbytes * 4 == q4.cache.nbytes
+
+
 def test_dequantized_gguf_cache_gives_identical_bundle(smol_bundles, tmp_path):
     """The first compile left a dequantized copy of the GGUF in the cache; compiling from
     it gives byte-identical files."""
