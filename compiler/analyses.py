@@ -99,8 +99,8 @@ class KVCachePlan:
 
     dtype: str  # "int8"
     layers: dict[int, tuple[float, float]]  # layer -> (largest key bound, largest value) over its channels
-    bytes_per_token: int  # K and V of one position over all layers
-    float_bytes_per_token: int  # the same in float32
+    bytes_per_position: int  # K and V of one position over all layers
+    float32_bytes_per_position: int  # the same in float32
 
 
 HIST_PER_OCTAVE = 16  # global |x| histogram: 16 bins per power of two (4.4% wide)

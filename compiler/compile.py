@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from llmc import __version__
-from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan
+from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, KVCachePlan
 from llmc.errors import CompileError
 from llmc.pass_manager import CompileOptions, Instrument, ModelInputs, PassContext, format_pipeline, parse_pipeline, run_pipeline
 
@@ -245,6 +245,8 @@ def compile_model(
         if offload is not None:
             manifest["offload"] = offload
         report = build_report(graph, ctx, weights) or {}
+        if ctx.has(KVCachePlan):
+            report["kv_cache"] = _kv_cache_report(ctx)
         if predicted:
             report["predictions"] = predicted
         if report:
@@ -305,7 +307,8 @@ def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) ->
         "calibration": {"corpus": calib.corpus, "tokens": calib.tokens},
         "quantization": {
             "activations": "uint8 per tensor (zero point 128) at every Linear input; everything else float32 "
-                           "(8-bit norms/residual/activations measured: +49% / unusable / x6 perplexity; docs/quantization.md)",
+                           "(8-bit norms/residual/activations measured: +49% / unusable / x6 perplexity; docs/quantization.md)"
+                           + ("; the KV cache int8 (kv_cache)" if ctx.has(KVCachePlan) else ""),
             "weights": f"int8 symmetric per {ctx.options.weight_granularity}",
             "shadow": plan.enabled,
             "clip_percentile": plan.percentile if plan.enabled else None,
@@ -323,6 +326,22 @@ def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) ->
             "resident_shadow_fraction_of_int8_weights": resident / model_int8 if model_int8 else 0.0,
         },
         "linears": linears,
+    }
+
+
+def _kv_cache_report(ctx: PassContext) -> dict[str, Any]:
+    """report.json's ``kv_cache``: the int8 cache's calibration and, per layer, the bounds its scales come from."""
+    from llmc.analyses import CalibrationStats
+
+    plan = ctx.get(KVCachePlan)
+    calib = ctx.get(CalibrationStats)
+    return {
+        "dtype": plan.dtype,
+        "scales": "per channel: keys after rotary (bounded from the pre-rotary calibration maxima), values; codes saturate beyond",
+        "calibration": {"corpus": calib.corpus, "tokens": calib.tokens},
+        "bytes_per_position": plan.bytes_per_position,
+        "float32_bytes_per_position": plan.float32_bytes_per_position,
+        "layers": [{"layer": layer, "key_bound": k, "value_max": v} for layer, (k, v) in sorted(plan.layers.items())],
     }
 
 

@@ -12,7 +12,8 @@ The scale of a value channel is its calibration maximum ``|v|`` over 127. Keys
 are cached after rotary embedding, which mixes channel ``i`` with ``i + r/2``
 (rotate-half over the first ``r`` = ``rotary_dim`` channels) at every position,
 so a key channel's bound is ``sqrt(a_i^2 + a_{i+r/2}^2)`` for the calibration
-maxima ``a`` of the keys before rotary: no rotation can take a calibrated key
+maxima ``a`` of the keys before rotary, times the rotary tables' ``scaling``
+(YaRN's and longrope's attention factor): no rotation can take a calibrated key
 past it. Channels beyond ``r`` keep their own maximum. Values beyond the bound
 at run time saturate at +/-127 codes.
 
@@ -33,13 +34,14 @@ QMAX = 127
 TINY = 1e-8  # a channel that was always zero still gets a usable scale
 
 
-def key_bounds(absmax: np.ndarray, num_kv_heads: int, head_dim: int, rotary_dim: int) -> np.ndarray:
+def key_bounds(absmax: np.ndarray, num_kv_heads: int, head_dim: int, rotary_dim: int, scaling: float = 1.0) -> np.ndarray:
     """Per key channel (``[kv heads * head dim]``), the largest ``|k|`` after rotary for keys whose
-    pre-rotary channel maxima are ``absmax``."""
+    pre-rotary channel maxima are ``absmax``; ``scaling`` multiplies the rotary tables (the
+    ``RotaryTable``'s attention factor of YaRN and longrope)."""
     a = np.asarray(absmax, np.float64).reshape(num_kv_heads, head_dim).copy()
     half = rotary_dim // 2
     if half:
-        pair = np.sqrt(a[:, :half] ** 2 + a[:, half:rotary_dim] ** 2)
+        pair = abs(scaling) * np.sqrt(a[:, :half] ** 2 + a[:, half:rotary_dim] ** 2)
         a[:, :half] = pair
         a[:, half:rotary_dim] = pair
     return a.reshape(-1)
@@ -63,7 +65,9 @@ class QuantizeKVCache(Pass):
             if k_in not in stats.inputs or v_in not in stats.inputs:
                 raise CompileError(f"attention {n.name} has no calibration statistics for its keys and values",
                                    hint="run calibrate right before quantize_kv_cache in the pipeline")
-            kmax = key_bounds(stats.inputs[k_in].channel_absmax, kv, d, a["rotary_dim"])
+            table = n.inputs[3].producer if len(n.inputs) == 5 else None
+            scaling = table.attrs["scaling"] if table is not None and table.op == "RotaryTable" else 1.0
+            kmax = key_bounds(stats.inputs[k_in].channel_absmax, kv, d, a["rotary_dim"], scaling)
             vmax = np.asarray(stats.inputs[v_in].channel_absmax, np.float64)
             scales = {}
             for slot, m in (("k_scale", kmax), ("v_scale", vmax)):

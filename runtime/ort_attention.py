@@ -210,7 +210,9 @@ class OrtAttention:
                 tables = self._rotary_tables(d) if node_rotates(rotary_dim, d) else None
                 key = (h, kvh, d, float(scale), tables is not None, self._cache.quantized(layer))
                 runs = [(sess, self._cache_binding(sess, layer)) for sess in self._one_row_sessions(key)]
-                one = self._one[layer] = _OneRow(runs, h, kvh, d, tables, one_thread_len=ONE_THREAD_KV_BYTES // (2 * kvh * d * self._cache.k[layer].itemsize))
+                # in float32 bytes whatever the cache holds: ONNX Runtime dequantizes an int8 cache before its matmuls,
+                # so the work per position is the float32 cache's (an int8 itemsize here kept 2,000-token decode on one thread)
+                one = self._one[layer] = _OneRow(runs, h, kvh, d, tables, one_thread_len=ONE_THREAD_KV_BYTES // (2 * kvh * d * 4))
             return one(q, k, v, cos, sin, start, rotary_dim)
         qn, kn = q[:n], k[:n]
         if rotary_dim:
@@ -231,6 +233,22 @@ class OrtAttention:
         b.bind_output("out", "cpu", 0, np.float32, [1, n, h * d], out.ctypes.data)
         sess.run_with_iobinding(b)
         return out
+
+
+# The first onnxruntime whose CPU GroupQueryAttention runs an int8 (PER_CHANNEL) cache: 1.26 fails
+# inside the node, 1.22 and 1.24 reject the model; 1.27, 1.28, 1.30, 1.31 and 1.32 match numpy.
+INT8_CACHE_MIN_ORT = (1, 27)
+
+
+def check_int8_cache_support(ort: Any, bundle: Any) -> None:
+    """Raise a :class:`BundleError` naming the fix when ``ort`` is too old for an int8 KV cache."""
+    from llmc.runtime.errors import BundleError
+
+    version = tuple(int(x) for x in ort.__version__.split(".")[:2] if x.isdigit())
+    if version < INT8_CACHE_MIN_ORT:
+        need = ".".join(map(str, INT8_CACHE_MIN_ORT))
+        raise BundleError(f"{bundle} has an int8 KV cache (--kv-cache int8), which onnxruntime {ort.__version__} cannot run",
+                          hint=f"pip install 'onnxruntime>={need}', or recompile with --kv-cache float32")
 
 
 def node_rotates(rotary_dim: int, head_dim: int) -> bool:

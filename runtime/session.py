@@ -29,7 +29,7 @@ from llmc.runtime.binding import BoundGraph
 from llmc.runtime.decode_graph import DecodeGraphRunner
 from llmc.runtime.errors import BundleError, PromptTooLongError, ProviderError
 from llmc.runtime.manifest import load_manifest, map_weights, resolve_inside
-from llmc.runtime.ort_attention import OrtAttention
+from llmc.runtime.ort_attention import OrtAttention, check_int8_cache_support
 from llmc.runtime.residency import Residency
 from llmc.runtime.sampling import Sampler
 
@@ -228,6 +228,8 @@ class Session:
         self.cache: kernels.KVCache | None = None
         self._attention: OrtAttention | None = None
         self.position = 0
+        if self._kv_scales():
+            check_int8_cache_support(ort, self.bundle)
         if not lazy:
             self.warmup()
 
