@@ -505,6 +505,7 @@ def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch
         click.echo(f"  {label:<8} {f.median:10.3f} {unit:<6} ({f.min:.3f}..{f.max:.3f})")
     click.echo(f"  peak RSS {r.peak_rss_mb:10.0f} MB")
     click.echo(f"  decode   {_DECODE_PATHS[r.decode_path]}")
+    click.echo(f"  kv cache {r.kv_cache}, {r.kv_cache_bytes / 1e6:.1f} MB for {sess.max_context} positions")
     if r.offload:
         o = r.offload
         click.echo(f"  offload  {o['resident_bytes'] / 1e6:.1f} MB resident, {o['buffer_bytes'] / 1e6:.1f} MB stream buffer "

@@ -39,6 +39,8 @@ class BenchResult:
     peak_rss_mb: float
     decode_path: str = ""  # Session.decode_path: what ran each decode step
     offload: dict | None = None  # memory-budgeted bundles: residency and streaming figures over all runs
+    kv_cache: str = ""  # the KV cache's element type: "float32", or "int8" (--kv-cache int8)
+    kv_cache_bytes: int = 0  # allocated for the bundle's max context
 
 
 def prompt_ids(session: Session, n: int, seed: int = 0) -> list[int]:
@@ -70,7 +72,16 @@ def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat:
         peak_rss_mb(),
         session.decode_path,
         offload_figures(session),
+        *_kv_cache(session),
     )
+
+
+def _kv_cache(session: Session) -> tuple[str, int]:
+    cache = session.cache
+    if cache is None:
+        return "", 0
+    kinds = {str(a.dtype) for a in cache.k.values()}
+    return (kinds.pop() if len(kinds) == 1 else "mixed"), cache.nbytes
 
 
 def offload_figures(session: Session) -> dict | None:

@@ -117,6 +117,10 @@ def test_ort_int8_cache_matches_numpy_kernel_and_saturates():
         np.testing.assert_array_equal(cache.v[0][:, : start + n], ref.v[0][:, : start + n])
         start += n
     assert cache.k[0].max() == 127 and ref.k[0].max() == 127
+    # chunks attend with the float32 kernel over a dequantized scratch (the int8 one is 4-5x slower for many
+    # rows); one row uses the int8 node
+    assert (kvh, d) in attn._scratch
+    assert {key[5] for key in attn._sessions} == {False, True}
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "phi"])
@@ -169,6 +173,9 @@ def test_cli_compiles_and_inspects_an_int8_cache(model_dirs, calib_words, tmp_pa
     m = json.loads((out / "manifest.json").read_text())
     layers = [s["attrs"] for s in m["program"] if s.get("op") == "Attention"]
     assert kv["dtype"] == "int8" and kv["bytes_per_position"] == sum(2 * a["num_kv_heads"] * a["head_dim"] for a in layers)
+    r = CliRunner().invoke(cli, ["bench", str(out), "--prompt-len", "12", "--new-tokens", "3", "--repeat", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["kv_cache"] == "int8" and json.loads(r.output)["kv_cache_bytes"] == kv["bytes_per_position"] * MAX_CONTEXT
     prompt = " ".join(calib_words.read_text().split()[:6])  # words the tiny tokenizer knows
     r = CliRunner().invoke(cli, ["run", str(out), "--prompt", prompt, "--max-new-tokens", "4", "--no-eos", "--json"])
     assert r.exit_code == 0, r.output
