@@ -161,6 +161,7 @@ def _peak_rss_mb() -> float:
 @click.option("--prompt-len", type=click.IntRange(1), default=1024, show_default=True, help="Prompt length to predict prefill for.")
 @click.option("--target", type=click.Choice(["npu", "cpu"]), default="npu", show_default=True, help="Program shape to plan: W8A8 with shadow outliers (npu) or float32 (cpu).")
 @click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True, help="[cpu] Plan the int4 weight-only program (as compile --weights int4).")
+@click.option("--kv-cache", type=click.Choice(["float32", "int8"]), default="float32", show_default=True, help="Plan with an int8 KV cache (as compile --kv-cache int8).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C.")
 @click.option("--memory-budget", default=None, help="Plan weight offloading under this budget (e.g. 2GB, 50%).")
 @click.option("--prefetch-depth", type=click.IntRange(0), default=2, show_default=True, help="Steps of streamed weights read ahead.")
@@ -168,7 +169,7 @@ def _peak_rss_mb() -> float:
               help="Fraction of Linear inputs that keep a shadow path (llm.npu prunes 85%: 0.15).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_guard
-def plan(model, profile, prompt_len, target, weights, chunk, memory_budget, prefetch_depth, shadow_keep, as_json):
+def plan(model, profile, prompt_len, target, weights, kv_cache, chunk, memory_budget, prefetch_depth, shadow_keep, as_json):
     """Predict MODEL's prefill and decode speed and memory on a device, from its config alone.
 
     MODEL is a shipped config name (qwen1.5-1.8b, gemma-2b, phi-2, llama-2-7b, mistral-7b),
@@ -179,7 +180,7 @@ def plan(model, profile, prompt_len, target, weights, chunk, memory_budget, pref
     from llmc.units import format_size
 
     r = plan_model(model, profile=profile, prompt_len=prompt_len, target=target, chunk=chunk, memory_budget=memory_budget,
-                   prefetch_depth=prefetch_depth, shadow_keep=shadow_keep, weight_format=weights)
+                   prefetch_depth=prefetch_depth, shadow_keep=shadow_keep, weight_format=weights, kv_cache=kv_cache)
     d = r.as_dict()
     if as_json:
         click.echo(json.dumps(d, indent=1, sort_keys=True))
@@ -194,7 +195,8 @@ def plan(model, profile, prompt_len, target, weights, chunk, memory_budget, pref
     click.echo(f"placement  prefill {d['placement']['prefill']['npu']} steps on NPU / {d['placement']['prefill']['cpu']} on CPU; "
                f"decode {d['placement']['decode']['npu']} / {d['placement']['decode']['cpu']}")
     click.echo(f"decode     {dec['tok_s']:.1f} tok/s ({dec['s_per_token'] * 1e3:.1f} ms/token)")
-    click.echo(f"memory     weights {format_size(mem['weight_bytes'])}, KV cache {format_size(mem['kv_cache_bytes'])} at {prompt_len} tokens")
+    click.echo(f"memory     weights {format_size(mem['weight_bytes'])}, {'int8 ' if kv_cache == 'int8' else ''}KV cache "
+               f"{format_size(mem['kv_cache_bytes'])} at {prompt_len} tokens")
     if "offload" in d:
         o = d["offload"]
         rows = f" incl. {o['resident_shadow_rows']} shadow rows" if o["resident_shadow_rows"] else ""
@@ -537,6 +539,8 @@ def passes():
     click.echo()
     for key, pipe in DEFAULT_PIPELINES.items():
         click.echo(f"default pipeline of `{PIPELINE_USES[key]}`: {pipe}")
+    click.echo("with `--kv-cache int8`: quantize_kv_cache right after calibrate (calibrate is added before the first pass that "
+               "rewrites Linears when absent); `llmc plan --kv-cache int8` adds assume_kv_cache there instead")
 
 
 @cli.command()

@@ -46,11 +46,15 @@ KV_CACHE_FORMATS = ("float32", "int8")
 _BEFORE_CALIBRATION = ("dce", "select_logit_rows", "calibrate")  # passes that may run before calibrate (it needs float Linears)
 
 
-def with_kv_cache(names: list[str]) -> list[str]:
+def with_kv_cache(names: list[str], assume: bool = False) -> list[str]:
     """The pass names of ``names`` with ``quantize_kv_cache`` right after ``calibrate``; without
-    ``calibrate``, both go before the first pass that rewrites the model's Linears."""
-    if "quantize_kv_cache" in names:
+    ``calibrate``, both go before the first pass that rewrites the model's Linears. With ``assume``
+    (``llmc plan``, no weights), ``assume_kv_cache`` goes there instead."""
+    if "quantize_kv_cache" in names or "assume_kv_cache" in names:
         return list(names)
+    if assume:
+        i = next((j for j, n in enumerate(names) if n not in _BEFORE_CALIBRATION), len(names))
+        return names[:i] + ["assume_kv_cache"] + names[i:]
     if "calibrate" in names:
         i = names.index("calibrate") + 1
         return names[:i] + ["quantize_kv_cache"] + names[i:]

@@ -4,6 +4,7 @@ The registry is this explicit list: a new pass is a new module plus one line
 here. ``llmc passes`` prints it.
 """
 
+from llmc.passes.assume_kv_cache import AssumeKVCache
 from llmc.passes.assume_shadow_plan import AssumeShadowPlan
 from llmc.passes.calibrate import Calibrate
 from llmc.passes.calibrate_ranges import CalibrateRanges
@@ -22,7 +23,7 @@ from llmc.passes.schedule import ScheduleSteps
 from llmc.passes.select_logit_rows import SelectLogitRows
 
 ALL_PASSES = [DeadCodeElimination, Calibrate, QuantizeKVCache, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
-              AssumeShadowPlan]
+              AssumeShadowPlan, AssumeKVCache]
 REGISTRY = {p.name: p for p in ALL_PASSES}
 
 # The pipeline each target runs when --pipeline is not given.

@@ -85,3 +85,18 @@ def test_8gen3_prefill_within_25_percent_of_llm_npu(model):
     ratio = r.schedule.prefill_s / PAPER_PREFILL_S[model]
     assert 0.75 <= 1 / ratio <= 1.25, f"{model}: predicted {r.schedule.prefill_s:.2f} s, paper {PAPER_PREFILL_S[model]} s"
     assert r.schedule.out_of_order.npu_bubble_rate < r.schedule.in_order.npu_bubble_rate
+
+
+def test_plan_with_an_int8_kv_cache(tmp_path):
+    """--kv-cache int8: the KV cache is a quarter of the float32 one and long-context decode, whose
+    attention reads it, is predicted faster; the pipeline names the placeholder pass."""
+    from llmc.plan import plan_model
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMALL))
+    f32, i8 = (plan_model(str(cfg), profile="8gen3", prompt_len=3000, target="cpu", kv_cache=k) for k in ("float32", "int8"))
+    assert i8.kv_cache_bytes * 4 == f32.kv_cache_bytes == 2 * 3000 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 64 * 4
+    assert "assume_kv_cache" in i8.pipeline and "assume_kv_cache" not in f32.pipeline
+    assert i8.as_dict()["decode"]["tok_s"] > f32.as_dict()["decode"]["tok_s"]
+    r = _llmc("plan", str(cfg), "--prompt-len", "300", "--kv-cache", "int8")
+    assert r.returncode == 0 and "int8 KV cache" in r.stdout, r.stderr
