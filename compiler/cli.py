@@ -490,7 +490,7 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
 @click.option("--json", "as_json", is_flag=True)
 @_guard
 def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch, as_json):
-    """Time a BUNDLE: TTFT, prefill and decode tokens/s (median and spread), peak RSS."""
+    """Time a BUNDLE: TTFT, prefill and decode tokens/s (median and spread), peak RSS, what ran decode, the KV cache."""
     import dataclasses
 
     from llmc.runtime.bench import bench as run_bench

@@ -43,6 +43,7 @@ def default_pipeline(target: str) -> str:
 
 
 KV_CACHE_FORMATS = ("float32", "int8")
+PLAN_ONLY = ("assume_shadow_plan", "assume_kv_cache")  # placeholder analyses for planning from a config: never in a bundle
 _BEFORE_CALIBRATION = ("dce", "select_logit_rows", "calibrate")  # passes that may run before calibrate (it needs float Linears)
 
 
@@ -146,6 +147,10 @@ def compile_model(
     if kv_cache == "int8":
         passes = parse_pipeline(",".join(with_kv_cache([p.name for p in passes])), REGISTRY)
     names = [p.name for p in passes]
+    placeholders = [n for n in names if n in PLAN_ONLY]
+    if placeholders:
+        raise CompileError(f"pass {placeholders[0]} is for `llmc plan` only: its values are placeholders",
+                           hint="compile with calibrate and quantize_kv_cache (--kv-cache int8) or extract_shadow_outliers instead")
     check_weight_format(weight_format, target, names)
     if qnn_skip:
         log.warning("QNN context binaries skipped: %s; the bundle has the ONNX graphs only", qnn_skip)

@@ -3,10 +3,11 @@
 Every ``Attention`` node gets two weights, ``k_scale`` and ``v_scale``
 (``[kv heads, head dim]`` float32): the runtime's cache for that layer then holds
 int8 codes, ``clip(rint(x / scale), -128, 127)``, which read back as
-``code * scale``. It is ONNX Runtime's ``GroupQueryAttention`` with a
-``PER_CHANNEL`` int8 cache, so the same node that attends appends the
-quantized row; a quarter of the float32 cache's bytes are read per decoded
-token and held for the whole context.
+``code * scale``. Decode runs ONNX Runtime's ``GroupQueryAttention`` with a
+``PER_CHANNEL`` int8 cache, so the node that attends appends the quantized
+row; prefill's chunks store int8 codes and attend in float32 over a
+dequantized copy (``runtime/ort_attention.py``). A quarter of the float32
+cache's bytes are read per decoded token and held for the whole context.
 
 The scale of a value channel is its calibration maximum ``|v|`` over 127. Keys
 are cached after rotary embedding, which mixes channel ``i`` with ``i + r/2``

@@ -12,13 +12,16 @@ serialised here with a minimal protobuf writer (the fields used are listed in
 the numpy kernel); for one row the node rotates q and k itself from tables of
 every position filled from the program's ``RotaryTable`` (partial rotary keeps
 the numpy arithmetic, into bound buffers); sliding-window attention keeps the
-numpy kernel. A layer with an int8 cache (``--kv-cache int8``) gets the node's
-``PER_CHANNEL`` int8 cache: it quantizes the rows it appends with the layer's
-scales, bound as two more inputs.
+numpy kernel. A layer with an int8 cache (``--kv-cache int8``): one row goes
+through the node's ``PER_CHANNEL`` int8 cache (it quantizes the row it appends
+with the layer's scales, bound as two more inputs); a chunk stores its rows as
+int8 codes and attends in float32 over a dequantized copy of the cached prefix
+(:meth:`OrtAttention._int8_chunk`).
 """
 
 from __future__ import annotations
 
+import re
 import struct
 from typing import Any
 
@@ -127,7 +130,8 @@ class OrtAttention:
     node rotates, threads). Per layer, one IOBinding for chunks (fresh output per
     call) and those of a single row (:class:`_OneRow`: every buffer bound once,
     on one thread while the cache is short), all with the layer's cache bound as
-    past and present.
+    past and present; for a layer with an int8 cache, chunks bind a float32
+    scratch cache instead (:meth:`_int8_chunk`).
     """
 
     def __init__(self, ort: Any, cache: kernels.KVCache, threads: int) -> None:
@@ -140,6 +144,7 @@ class OrtAttention:
         self._one: dict[int, _OneRow] = {}  # layer -> decode's binding, bound once
         self._tables: dict[int, _RotaryTables] = {}  # head dim -> decode's cos/sin by position, shared by the layers
         self._scratch: dict[tuple[int, int], tuple] = {}  # (kv heads, head dim) -> float32 cache for chunks over int8 caches
+        self._scratch_bound: dict[tuple, Any] = {}  # chunk session key -> its IOBinding of the scratch
 
     @staticmethod
     def supports(attrs: dict[str, Any]) -> bool:
@@ -220,9 +225,10 @@ class OrtAttention:
             qn = kernels._rope(qn.reshape(n, h, d), cos[:n], sin[:n], rotary_dim).reshape(n, h * d)
             kn = kernels._rope(kn.reshape(n, kvh, d), cos[:n], sin[:n], rotary_dim).reshape(n, kvh * d)
         vn = v[:n]
-        sess = self._session((h, kvh, d, float(scale), False, False))
+        key = (h, kvh, d, float(scale), False, False)
+        sess = self._session(key)
         if self._cache.quantized(layer):
-            b, kn, vn = self._int8_chunk(sess, layer, start, kn.reshape(n, kvh, d), vn.reshape(n, kvh, d))
+            b, kn, vn = self._int8_chunk(sess, key, layer, start, kn.reshape(n, kvh, d), vn.reshape(n, kvh, d))
         else:
             b = self._bound.get(layer)
             if b is None:  # the caches stay bound as past and present across calls
@@ -239,31 +245,33 @@ class OrtAttention:
         sess.run_with_iobinding(b)
         return out
 
-    def _int8_chunk(self, sess: Any, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+    def _int8_chunk(self, sess: Any, key: tuple, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
         """A chunk over an int8 cache, in float32: ONNX Runtime's quantized-cache kernel is 4-5x slower than
         its float32 one for a chunk of rows (SmolLM2's 256 rows over 1,792 cached: 53 vs 13 ms per layer),
         while for one row it is as fast or faster. So the chunk's rows ``k``/``v`` (``[n, kv, d]``, rotated)
         are stored as int8 codes, the cached positions before ``start`` are dequantized into a float32
         scratch cache shared by the layers of this shape, and the float32 node attends over the scratch
         with the chunk's rows dequantized: the numbers of an int8 cache, the float32 kernel's speed.
-        Returns the binding and the dequantized rows (the node's k and v inputs, ``[n, kv * d]``)."""
+        Returns the binding and the dequantized rows (the node's k and v inputs, ``[n, kv * d]``).
+        ``key`` is ``sess``'s: layers of one cache shape share the scratch arrays, and each session
+        (heads, scale) has its own binding of them."""
         n, kvh, d = k.shape
         cache = self._cache
         cache.write(layer, start, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
         kd, vd = cache.read(layer, start, start + n)  # the chunk's rows as the cache reads them back
-        key = (kvh, d)
-        scratch = self._scratch.get(key)
+        scratch = self._scratch.get((kvh, d))
         if scratch is None:
             arrays = (np.zeros((1, kvh, cache.capacity, d), np.float32), np.zeros((1, kvh, cache.capacity, d), np.float32))
             ov = self._ort.OrtValue.ortvalue_from_numpy
-            b = sess.io_binding()
-            values = (ov(arrays[0]), ov(arrays[1]))
+            scratch = self._scratch[(kvh, d)] = (arrays, (ov(arrays[0]), ov(arrays[1])))
+        (sk, sv), values = scratch
+        b = self._scratch_bound.get(key)
+        if b is None:
+            b = self._scratch_bound[key] = sess.io_binding()
             b.bind_ortvalue_input("past_k", values[0])
             b.bind_ortvalue_input("past_v", values[1])
             b.bind_ortvalue_output("present_k", values[0])
             b.bind_ortvalue_output("present_v", values[1])
-            scratch = self._scratch[key] = (arrays, values, b)
-        (sk, sv), _, b = scratch
         ks, vs = cache.scales[layer]
         np.multiply(cache.k[layer][:, :start], ks[:, None, :], out=sk[0, :, :start])
         np.multiply(cache.v[layer][:, :start], vs[:, None, :], out=sv[0, :, :start])
@@ -279,7 +287,7 @@ def check_int8_cache_support(ort: Any, bundle: Any) -> None:
     """Raise a :class:`BundleError` naming the fix when ``ort`` is too old for an int8 KV cache."""
     from llmc.runtime.errors import BundleError
 
-    version = tuple(int(x) for x in ort.__version__.split(".")[:2] if x.isdigit())
+    version = tuple(int(x) for x in re.findall(r"\d+", ort.__version__)[:2])  # "1.27.0", "1.27rc1"
     if version < INT8_CACHE_MIN_ORT:
         need = ".".join(map(str, INT8_CACHE_MIN_ORT))
         raise BundleError(f"{bundle} has an int8 KV cache (--kv-cache int8), which onnxruntime {ort.__version__} cannot run",

@@ -1,6 +1,6 @@
 """quantize_kv_cache (--kv-cache int8): per-channel scales from calibration, an int8 cache in every
-attention path of the runtime (ONNX Runtime's chunk and one-row sessions, the decode graph, the numpy
-kernel) and in the interpreter."""
+attention path of the runtime (ONNX Runtime's one-row sessions and decode graph on the int8 node, chunks
+in float32 over a dequantized scratch, the numpy kernel) and in the interpreter."""
 
 from __future__ import annotations
 
@@ -84,13 +84,17 @@ def test_pass_needs_calibration_of_the_attention_inputs(model_dirs, tmp_path):
         compile_model(str(model_dirs("llama")), tmp_path / "b", chunk=CHUNK, max_context=MAX_CONTEXT,
                       pipeline="dce,select_logit_rows,quantize_kv_cache,chunk_static_graphs")
     assert not (tmp_path / "b").exists()
+    with pytest.raises(CompileError, match="assume_kv_cache is for `llmc plan` only"):
+        compile_model(str(model_dirs("llama")), tmp_path / "d", chunk=CHUNK, max_context=MAX_CONTEXT,
+                      pipeline="dce,select_logit_rows,assume_kv_cache,chunk_static_graphs")
+    assert not (tmp_path / "d").exists()
     with pytest.raises(CompileError, match="KV cache format"):
         compile_model(str(model_dirs("llama")), tmp_path / "c", kv_cache="fp8")
 
 
 def test_ort_int8_cache_matches_numpy_kernel_and_saturates():
-    """ONNX Runtime's int8 cache (chunk and one-row sessions) stores the numpy kernel's codes, saturating
-    past the scale's range, and attends to the same numbers."""
+    """An int8 cache through ONNX Runtime (chunks over the float32 scratch, one row on the int8 node) stores
+    the numpy kernel's codes, saturating past the scale's range, and attends to the same numbers."""
     import onnxruntime as ort
 
     from llmc.runtime import kernels
@@ -227,6 +231,33 @@ def test_old_onnxruntime_is_refused_with_the_fix():
         check_int8_cache_support(SimpleNamespace(__version__="1.26.0"), "b")
     assert "onnxruntime>=1.27" in e.value.hint
     check_int8_cache_support(SimpleNamespace(__version__="1.32.0"), "b")
+    check_int8_cache_support(SimpleNamespace(__version__="1.27rc1"), "b")
+
+
+def test_int8_chunks_of_layers_sharing_a_cache_shape_but_not_heads_or_scale():
+    """The float32 scratch is shared by the layers of one cache shape; each chunk session (heads, scale)
+    binds it itself, and chunks issued across layers in any order give the numpy kernel's numbers."""
+    import onnxruntime as ort
+
+    from llmc.runtime import kernels
+    from llmc.runtime.ort_attention import OrtAttention
+
+    kvh, d, cap = 2, 16, 32
+    layers = {0: (4, 0.25), 1: (8, 0.25), 2: (4, 0.1)}  # layer -> (heads, scale)
+    rng = np.random.default_rng(2)
+    scales = {l: (rng.uniform(0.01, 0.03, (kvh, d)).astype(np.float32), rng.uniform(0.01, 0.03, (kvh, d)).astype(np.float32)) for l in layers}
+    shapes = {l: (kvh, d) for l in layers}
+    ref, cache = kernels.KVCache(shapes, cap, scales), kernels.KVCache(shapes, cap, scales)
+    attn = OrtAttention(ort, cache, threads=2)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    for start, rows, n in [(0, 8, 8), (8, 8, 8), (16, 8, 5)]:
+        for layer in (2, 0, 1):
+            h, scale = layers[layer]
+            q, k, v = (rng.standard_normal((rows, f)).astype(np.float32) for f in (h * d, kvh * d, kvh * d))
+            cos, sin = kernels.rotary_table(np.arange(start, start + rows), inv_freq, 1.0)
+            kw = dict(layer=layer, start=start, n=n, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=scale, rotary_dim=d, sliding_window=0)
+            np.testing.assert_allclose(attn(q, k, v, cos, sin, **kw), kernels.attention(q, k, v, cos, sin, cache=ref, **kw), atol=1e-5)
+    assert len(attn._scratch) == 1 and len(attn._scratch_bound) == 3
 
 
 def test_int8_cache_switches_decode_to_all_threads_where_float32_does():
