@@ -47,20 +47,23 @@ PLAN_ONLY = ("assume_shadow_plan", "assume_kv_cache")  # placeholder analyses fo
 _BEFORE_CALIBRATION = ("dce", "select_logit_rows", "calibrate")  # passes that may run before calibrate (it needs float Linears)
 
 
+def check_kv_cache_format(fmt: str) -> None:
+    if fmt not in KV_CACHE_FORMATS:
+        raise CompileError(f"unknown KV cache format {fmt!r}", hint="choose one of: " + ", ".join(KV_CACHE_FORMATS))
+
+
 def with_kv_cache(names: list[str], assume: bool = False) -> list[str]:
     """The pass names of ``names`` with ``quantize_kv_cache`` right after ``calibrate``; without
     ``calibrate``, both go before the first pass that rewrites the model's Linears. With ``assume``
     (``llmc plan``, no weights), ``assume_kv_cache`` goes there instead."""
     if "quantize_kv_cache" in names or "assume_kv_cache" in names:
         return list(names)
-    if assume:
+    if "calibrate" in names and not assume:
+        i, added = names.index("calibrate") + 1, ["quantize_kv_cache"]
+    else:
         i = next((j for j, n in enumerate(names) if n not in _BEFORE_CALIBRATION), len(names))
-        return names[:i] + ["assume_kv_cache"] + names[i:]
-    if "calibrate" in names:
-        i = names.index("calibrate") + 1
-        return names[:i] + ["quantize_kv_cache"] + names[i:]
-    i = next((j for j, n in enumerate(names) if n not in _BEFORE_CALIBRATION), len(names))
-    return names[:i] + ["calibrate", "quantize_kv_cache"] + names[i:]
+        added = ["assume_kv_cache"] if assume else ["calibrate", "quantize_kv_cache"]
+    return names[:i] + added + names[i:]
 
 
 def resolve_profile(profile: str | None, soc: str | None) -> str:
@@ -141,8 +144,7 @@ def compile_model(
         else:
             qnn_skip = qnn_available()
     default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
-    if kv_cache not in KV_CACHE_FORMATS:
-        raise CompileError(f"unknown KV cache format {kv_cache!r}", hint="choose one of: " + ", ".join(KV_CACHE_FORMATS))
+    check_kv_cache_format(kv_cache)
     passes = parse_pipeline(pipeline or default_pipeline(default), REGISTRY)  # fail fast on a bad --pipeline
     if kv_cache == "int8":
         passes = parse_pipeline(",".join(with_kv_cache([p.name for p in passes])), REGISTRY)

@@ -62,6 +62,7 @@ import functools
 from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, ShadowPlan, Step, Subgraph
 from llmc.device_profile import DeviceProfile
 from llmc.ir import Graph, Node
+from llmc.ops import kv_cache_itemsize
 from llmc.runtime.session import ONE_THREAD_BYTES
 
 # llm.npu: outliers sit in 5-15 channels per layer, 0.1-0.3% of them (REFERENCES.md).
@@ -150,7 +151,7 @@ class CostModel:
         if op == "Attention":
             h, kvh, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
             s = min(keys, a["sliding_window"] + n - 1) if a["sliding_window"] else keys
-            width = 1.0 if "k_scale" in node.weights else 4.0  # an int8 cache (quantize_kv_cache) or float32
+            width = kv_cache_itemsize(node)
             return max(4.0 * n * s * h * d / p["cpu.attention_flops_per_s"], 2.0 * width * s * kvh * d / (p.get("cpu.kv_bytes_per_s") or bw))
         if op == "ShadowOutliers":
             x = node.inputs[0]

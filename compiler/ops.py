@@ -190,6 +190,12 @@ def _attention(node: "Node"):
     return [((q.shape[0], h * d), "float32")]
 
 
+def kv_cache_itemsize(attention: "Node") -> int:
+    """Bytes per cached K or V element of an ``Attention`` node: 1 with ``k_scale``/``v_scale``
+    (an int8 cache, ``quantize_kv_cache``), else 4 (float32)."""
+    return 1 if "k_scale" in attention.weights else 4
+
+
 def _select_rows(node: "Node"):
     (x,) = node.inputs
     return [((node.attrs["rows"], x.shape[1]), x.dtype)]

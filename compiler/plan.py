@@ -19,6 +19,7 @@ from typing import Any
 
 from llmc.analyses import ChunkPlan, OffloadPlan, Placement, Schedule
 from llmc.errors import ModelLoadError
+from llmc.ops import kv_cache_itemsize
 from llmc.pass_manager import CompileOptions, ModelInputs, PassContext, format_pipeline, parse_pipeline, run_pipeline
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def planned_program(source: str, options: CompileOptions, pipeline: str | None =
 def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu", chunk: int = 256, max_context: int | None = None,
                memory_budget: str | None = None, prefetch_depth: int = 2, pipeline: str | None = None,
                shadow: bool = True, shadow_keep: float = 1.0, weight_format: str = "float32", kv_cache: str = "float32") -> PlanResult:
-    from llmc.compile import KV_CACHE_FORMATS, with_kv_cache
+    from llmc.compile import check_kv_cache_format, with_kv_cache
     from llmc.errors import CompileError
     from llmc.passes import DEFAULT_PIPELINES
     from llmc.passes.quantize_int4 import check_weight_format
@@ -167,8 +168,7 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
     if weight_format == "int4" and pipeline is None:
         pipeline = DEFAULT_PIPELINES["plan-cpu-int4"]
     check_weight_format(weight_format, target, (pipeline or DEFAULT_PIPELINES[f"plan-{target}"]).split(","))
-    if kv_cache not in KV_CACHE_FORMATS:
-        raise CompileError(f"unknown KV cache format {kv_cache!r}", hint="choose one of: " + ", ".join(KV_CACHE_FORMATS))
+    check_kv_cache_format(kv_cache)
     if kv_cache == "int8":
         pipeline = ",".join(with_kv_cache((pipeline or DEFAULT_PIPELINES[f"plan-{target}"]).split(","), assume=True))
     max_context = max_context or chunk * math.ceil(prompt_len / chunk)
@@ -185,6 +185,6 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
         if st.kind == "op":
             used.update(r.name for r in graph.node(st.name).weights.values() if not r.name.endswith(".weight_t"))
     weight_bytes = sum(graph.weights[w].nbytes for w in used)
-    kv = sum(2 * prompt_len * n.attrs["num_kv_heads"] * n.attrs["head_dim"] * (1 if "k_scale" in n.weights else 4) for n in graph.find("Attention"))
+    kv = sum(2 * prompt_len * n.attrs["num_kv_heads"] * n.attrs["head_dim"] * kv_cache_itemsize(n) for n in graph.find("Attention"))
     return PlanResult(source, description, profile, target, chunk, prompt_len, pipeline_text,
                       ctx.get(Placement), ctx.get(Schedule), ctx.get(OffloadPlan) if ctx.has(OffloadPlan) else None, weight_bytes, kv)

@@ -29,6 +29,7 @@ import numpy as np
 from llmc.analyses import CalibrationStats, KVCachePlan
 from llmc.errors import CompileError
 from llmc.ir import Graph
+from llmc.ops import kv_cache_itemsize
 from llmc.pass_manager import Pass, PassContext, PassResult
 
 QMAX = 127
@@ -76,7 +77,7 @@ class QuantizeKVCache(Pass):
                 scales[slot] = store.add(f"{n.name}.{slot}", (kv, d), "float32", lambda s=s: s)
             n.weights.update(scales)
             layers[a["layer"]] = (float(kmax.max()), float(vmax.max()))
-            q_bytes += 2 * kv * d
-            f_bytes += 8 * kv * d
+            q_bytes += 2 * kv * d * kv_cache_itemsize(n)
+            f_bytes += 2 * kv * d * 4
         ctx.put(KVCachePlan("int8", layers, q_bytes, f_bytes))
         return PassResult(bool(layers))

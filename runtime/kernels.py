@@ -43,14 +43,19 @@ class KVCache:
                 x = quantize_kv(x, self.scales[layer][i])
             cache[:, start:end] = x
 
-    def read(self, layer: int, lo: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """K and V (``[kv_heads, end - lo, head_dim]``, float32) of positions ``lo..end-1``."""
+    def read(self, layer: int, lo: int, end: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """K and V (``[kv_heads, end - lo, head_dim]``, float32) of positions ``lo..end-1``: views of a
+        float32 layer, the dequantized codes of an int8 one (into ``out``'s two arrays when given)."""
         k, v = self.k[layer][:, lo:end], self.v[layer][:, lo:end]
-        if layer in self.scales:
-            ks, vs = self.scales[layer]
-            k = k * ks[:, None, :]
-            v = v * vs[:, None, :]
-        return k, v
+        if layer not in self.scales:
+            if out is not None:
+                np.copyto(out[0], k)
+                np.copyto(out[1], v)
+                return out
+            return k, v
+        ks, vs = self.scales[layer]
+        ok, ov = out if out is not None else (None, None)
+        return np.multiply(k, ks[:, None, :], out=ok), np.multiply(v, vs[:, None, :], out=ov)
 
 
 def quantize_kv(x: np.ndarray, scale: np.ndarray) -> np.ndarray:

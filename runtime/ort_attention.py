@@ -258,7 +258,6 @@ class OrtAttention:
         n, kvh, d = k.shape
         cache = self._cache
         cache.write(layer, start, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
-        kd, vd = cache.read(layer, start, start + n)  # the chunk's rows as the cache reads them back
         scratch = self._scratch.get((kvh, d))
         if scratch is None:
             arrays = (np.zeros((1, kvh, cache.capacity, d), np.float32), np.zeros((1, kvh, cache.capacity, d), np.float32))
@@ -272,10 +271,9 @@ class OrtAttention:
             b.bind_ortvalue_input("past_v", values[1])
             b.bind_ortvalue_output("present_k", values[0])
             b.bind_ortvalue_output("present_v", values[1])
-        ks, vs = cache.scales[layer]
-        np.multiply(cache.k[layer][:, :start], ks[:, None, :], out=sk[0, :, :start])
-        np.multiply(cache.v[layer][:, :start], vs[:, None, :], out=sv[0, :, :start])
-        return b, kd.transpose(1, 0, 2).reshape(n, kvh * d), vd.transpose(1, 0, 2).reshape(n, kvh * d)
+        end = start + n  # the cached positions and the chunk's rows, as the cache reads them back
+        kd, vd = cache.read(layer, 0, end, out=(sk[0, :, :end], sv[0, :, :end]))
+        return b, kd[:, start:].transpose(1, 0, 2).reshape(n, kvh * d), vd[:, start:].transpose(1, 0, 2).reshape(n, kvh * d)
 
 
 # The first onnxruntime whose CPU GroupQueryAttention runs an int8 (PER_CHANNEL) cache: 1.26 fails

@@ -228,7 +228,10 @@ class Session:
         self.cache: kernels.KVCache | None = None
         self._attention: OrtAttention | None = None
         self.position = 0
-        if self._kv_scales():
+        # the int8 KV cache's per-channel scales of each layer that has them (quantize_kv_cache)
+        self._kv_scales = {s["attrs"]["layer"]: (self._weights[s["weights"]["k_scale"]], self._weights[s["weights"]["v_scale"]])
+                           for s in self.program if s["kind"] == "op" and s["op"] == "Attention" and "k_scale" in s.get("weights", {})}
+        if self._kv_scales:
             check_int8_cache_support(ort, self.bundle)
         if not lazy:
             self.warmup()
@@ -432,14 +435,9 @@ class Session:
         return self._decode_runner
 
     # -- execution -----------------------------------------------------------
-    def _kv_scales(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """The int8 KV cache's per-channel scales of each layer that has them (``quantize_kv_cache``)."""
-        return {s["attrs"]["layer"]: (self._weights[s["weights"]["k_scale"]], self._weights[s["weights"]["v_scale"]])
-                for s in self.program if s["kind"] == "op" and s["op"] == "Attention" and "k_scale" in s.get("weights", {})}
-
     def reset(self) -> None:
         if self.cache is None:
-            self.cache = kernels.KVCache(self._attn_layers, self.max_context, self._kv_scales())
+            self.cache = kernels.KVCache(self._attn_layers, self.max_context, self._kv_scales)
             self._attention = OrtAttention(self._ort, self.cache, self._threads)
         self.position = 0
 
