@@ -141,7 +141,10 @@ class CostModel:
             rate = p.get("cpu.int8_gemv_ops_per_s") if rows == 1 else None
             return max(read, 2.0 * rows * k * nout / (rate or p["cpu.fp32_flops_per_s"]))
         if op in ELEMENTWISE:
-            elems = sum(_features(v.shape) for v in node.inputs) + sum(_features(v.shape) for v in node.outputs)
+            if op == "Slice":  # reads only the columns it keeps
+                elems = 2 * _features(node.outputs[0].shape)
+            else:
+                elems = sum(_features(v.shape) for v in node.inputs) + sum(_features(v.shape) for v in node.outputs)
             width = 2.0 if proc == "npu" else 4.0
             return rows * elems * width / p[f"{proc}.mem_bytes_per_s"]
         if proc != "cpu":

@@ -245,6 +245,13 @@ class Graph:
         self._nodes.remove(node)
         self._nodes.insert(self._nodes.index(anchor) + 1, node)
 
+    def rename(self, node: Node, name: str) -> None:
+        """Give ``node`` a name no node in the graph has (say, one a removed node had)."""
+        if any(n.name == name for n in self._nodes if n is not node):
+            raise IRVerificationError(f"cannot rename {node.name} to {name}: a node of that name exists")
+        self._names.add(name)
+        node.name = name
+
     def remove_node(self, node: Node) -> None:
         for v in node._outputs:
             if v._uses or v in self._outputs:

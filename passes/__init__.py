@@ -31,14 +31,14 @@ DEFAULT_PIPELINES = {
     "cpu": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # --target cpu --weights int4
     "cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
-    "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
+    "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,fuse_sibling_linears,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
     "mlir": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # `llmc plan`: no weights, so no calibration; the program has the npu target's shape
-    "plan-npu": "dce,select_logit_rows,assume_shadow_plan,quantize,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
+    "plan-npu": "dce,select_logit_rows,assume_shadow_plan,quantize,fuse_sibling_linears,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
     "plan-cpu": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     "plan-cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # --target npu --soc S: every NPU tensor gets a QDQ range for the HTP
-    "npu-qnn": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,calibrate_ranges,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
+    "npu-qnn": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,fuse_sibling_linears,calibrate_ranges,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
 }
 
 # What runs each of them (`llmc passes` prints it).

@@ -9,14 +9,25 @@ fewer, larger calls: per SmolLM2 layer 4 matmuls instead of 7. The decode graph
 (``fuse_decode_graph``) then hands a fused q/k/v result to ONNX Runtime's
 attention node packed, without slicing it.
 
-Merged: ``Linear`` nodes (float32 weights) and ``BlockQLinear`` nodes with the
-same bits and block size, all with or all without a bias, reading the same value
-as their input. Their weights are concatenated along the output features (for
-``BlockQLinear``: codes and scales by rows, offsets by columns), so the results
-are the same numbers. ``QLinear`` (W8A8) is not merged: its per-tensor weight
-scale is chosen per matrix, and one scale for the concatenation would cost
-precision. Run it after the quantization passes and before
-``chunk_static_graphs``.
+Merged: ``Linear`` nodes (float32 weights), ``BlockQLinear`` nodes with the
+same bits and block size, and W8A8 ``QLinear`` nodes with the same activation
+grid and per-channel weight scales, all with or all without a bias, reading the
+same value as their input. Their weights are concatenated along the output
+features (for ``BlockQLinear``: codes and scales by rows, offsets by columns; for
+``QLinear``: int8 codes by columns, scales by rows), so the results are the same
+numbers. A ``QLinear`` with one per-tensor weight scale (``--weight-granularity
+tensor``) is left alone: one scale for the concatenation would cost precision.
+
+A W8A8 layer then quantizes its normalized input once for q/k/v and once for
+gate/up. The ``ShadowOutliers`` that corrects merged results already holds their
+concatenated float weights; when the corrected results are read by static ops
+(gate/up: the activation and the product) the pass hands it the merged result
+whole and slices after the correction, one add instead of a split and one add per
+part. q/k/v keep their slices before the correction: after it they would sit
+between two CPU ops (the correction and attention) and make a graph of their own
+in the chunk program.
+
+Run it after the quantization passes and before ``chunk_static_graphs``.
 """
 
 from __future__ import annotations
@@ -34,12 +45,18 @@ from llmc.pass_manager import Pass, PassContext, PassResult
 log = logging.getLogger(__name__)
 
 # how each weight of a mergeable op concatenates: the axis of its output features
-_AXES = {"Linear": {"weight": 0, "bias": 0}, "BlockQLinear": {"qweight": 0, "scales": 0, "offsets": 1, "bias": 0}}
+_AXES = {
+    "Linear": {"weight": 0, "bias": 0},
+    "BlockQLinear": {"qweight": 0, "scales": 0, "offsets": 1, "bias": 0},
+    "QLinear": {"qweight": 1, "wscale": 0, "bias": 0},
+}
 
 
 def _key(n: Node) -> tuple | None:
     """Nodes with equal keys that read the same value can be merged; None if ``n`` cannot."""
     if n.op not in _AXES:
+        return None
+    if n.op == "QLinear" and n.weights["wscale"].shape == (1,):  # a per-tensor weight scale
         return None
     return (n.op, tuple(sorted(n.attrs.items())), "bias" in n.weights)
 
@@ -75,14 +92,16 @@ class FuseSiblingLinears(Pass):
                         groups.setdefault(key, []).append(user)
                 for members in groups.values():
                     if len(members) > 1:
-                        self._merge(graph, store, sorted(members, key=lambda n: order[n.name]))
+                        fused = self._merge(graph, store, sorted(members, key=lambda n: order[n.name]))
                         merged += 1
+                        if fused.op == "QLinear":
+                            self._shadow_whole(graph, fused)
         if merged:
             log.info("%s: %d groups of Linears merged", self.name, merged)
         return PassResult(merged > 0)
 
     @staticmethod
-    def _merge(graph: Graph, store, members: list[Node]) -> None:
+    def _merge(graph: Graph, store, members: list[Node]) -> Node:
         """Replace ``members`` (in graph order) by one node over their concatenated weights and a Slice per member."""
         first = members[0]
         name = _merged_name([n.name for n in members])
@@ -107,3 +126,41 @@ class FuseSiblingLinears(Pass):
             start += width
         for n in members:
             graph.remove_node(n)
+        return fused
+
+    @staticmethod
+    def _shadow_whole(graph: Graph, fused: Node) -> None:
+        """If one ``ShadowOutliers`` corrects exactly the slices of ``fused`` (in their order and
+        widths), let it correct ``fused`` whole and slice its result instead."""
+        slices = [u for u, _ in fused.outputs[0].uses]
+        if not slices or any(s.op != "Slice" for s in slices):
+            return
+        users = {u for s in slices for u, _ in s.outputs[0].uses}
+        if len(users) != 1:
+            return
+        (sh,) = users
+        if sh.op != "ShadowOutliers" or any(len(s.outputs[0].uses) != 1 for s in slices):
+            return
+        ys = sh.inputs[1:]
+        bounds = [(y.producer.attrs["start"], y.producer.attrs["end"]) if y.producer in slices else None for y in ys]
+        starts = np.cumsum([0, *sh.attrs["splits"]])
+        if len(ys) != len(slices) or bounds != list(zip(starts[:-1].tolist(), starts[1:].tolist())):
+            return
+        if any(not u.schema.is_static for y in sh.outputs for u, _ in y.uses):
+            # q/k/v read by attention: slices after the correction would sit between two CPU ops and
+            # make a graph of their own in the chunk program (an NPU call for three views)
+            return
+        whole = graph.add_node("ShadowOutliers", [sh.inputs[0], fused.outputs[0]], attrs={**sh.attrs, "splits": [int(starts[-1])]},
+                               weights=dict(sh.weights), name=f"{sh.name}.whole", before=sh)
+        i = graph.nodes.index(sh) + 1
+        after = graph.nodes[i] if i < len(graph.nodes) else None  # None: append at the end
+        names = {whole: sh.name}
+        for y, old in zip(ys, sh.outputs):
+            part = graph.add_node("Slice", [whole.outputs[0]], attrs=dict(y.producer.attrs), name=f"{y.producer.name}.whole", before=after)
+            graph.replace_all_uses(old, part.outputs[0])
+            names[part] = y.producer.name
+        graph.remove_node(sh)
+        for s in slices:
+            graph.remove_node(s)
+        for node, name in names.items():  # the names the nodes they replace had
+            graph.rename(node, name)

@@ -157,14 +157,15 @@ class PlanOffload(Pass):
 
         def top_up(best, pinned: int):
             """Spend what the equal share leaves (a layer's next tensor can be larger than the rest of the
-            budget over all layers) on one more tensor in as many layers as fit, spread over the layers."""
+            budget over all layers) on one more tensor in as many layers as fit, spread over the layers:
+            each layer's first streamed tensor in preservation order that still fits."""
             share, resident, _, _, used = best
             resident = set(resident)
             layers = [g for g in groups if isinstance(g, int) and not all(w in resident for w in groups[g])]
             added = False
             for layer in _spread(layers):
-                nxt = next(w for w in _preservation_order(groups[layer]) if w not in resident)
-                if used + size[nxt] <= budget:  # the ring can only shrink as more is resident
+                nxt = next((w for w in _preservation_order(groups[layer]) if w not in resident and used + size[w] <= budget), None)
+                if nxt is not None:  # the ring can only shrink as more is resident
                     resident.add(nxt)
                     used += size[nxt]
                     added = True

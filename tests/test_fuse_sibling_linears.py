@@ -41,11 +41,49 @@ def test_merge_keeps_the_numbers(model_dirs, family, pre):
     np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
 
 
-def test_w8a8_linears_are_not_merged(model_dirs, calib_words):
-    """QLinear keeps one per-tensor weight scale per matrix: the pass leaves it alone."""
+def test_w8a8_linears_merge_and_the_shadow_corrects_them_whole(model_dirs, calib_words):
+    """Per-channel W8A8 QLinears merge like float ones; the one ShadowOutliers of q/k/v (and of gate/up)
+    then corrects the merged result whole and the Slices follow it. The interpreter's logits are the
+    same numbers, outlier corrections included (the calibration text's own outliers)."""
     from test_quantization import _ctx, _run
 
+    from llmc.interpreter import Interpreter
+
     g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_words))
+    _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
+    layers = len(g.find("Attention"))
+    shadows_before = {n.name for n in g.find("ShadowOutliers")}
+    ids = [int(t) for t in np.random.default_rng(1).integers(4, 120, size=CHUNK)]
+    before = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
+    n_before = _ops(g)["QLinear"]
+    _run(g, ctx, "fuse_sibling_linears")
+    g.verify()
+    assert _ops(g)["QLinear"] == n_before - 3 * layers
+    assert _ops(g)["Slice"] == 5 * layers
+    assert {n.name for n in g.find("ShadowOutliers")} == shadows_before  # same nodes, by name
+    merged = [n for n in g.find("QLinear") if "+" in n.name]
+    assert len(merged) == 2 * layers
+    for q in merged:
+        readers = [u for u, _ in q.outputs[0].uses]
+        if "gate_proj" in q.name:  # corrected whole: the shadow reads the merged result and the slices read the shadow
+            (sh,) = readers
+            assert sh.op == "ShadowOutliers" and sh.attrs["splits"] == [q.outputs[0].shape[-1]]
+            assert sorted(u.op for u, _ in sh.outputs[0].uses) == ["Slice", "Slice"]
+        else:  # q/k/v: sliced before the correction, whose results attention reads (no graph of slices between them)
+            assert [u.op for u in readers] == ["Slice"] * 3
+            (sh,) = {u for s in readers for u, _ in s.outputs[0].uses}
+            assert sh.op == "ShadowOutliers" and len(sh.outputs) == 3
+            assert all(u.op == "Attention" for y in sh.outputs for u, _ in y.uses)
+    after = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * np.abs(before).max())
+
+
+def test_per_tensor_w8a8_linears_are_not_merged(model_dirs, calib_words):
+    """With one weight scale per matrix (--weight-granularity tensor) the concatenation would need one
+    scale for all: the pass leaves those QLinears alone."""
+    from test_quantization import _ctx, _run
+
+    g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_words), weight_granularity="tensor")
     _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
     before = _ops(g)
     _run(g, ctx, "fuse_sibling_linears")
