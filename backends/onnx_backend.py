@@ -51,7 +51,7 @@ import numpy as np
 from llmc import __version__
 from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, Subgraph
 from llmc.errors import UnsupportedModelError
-from llmc.ir import Graph, Node, WeightRef
+from llmc.ir import Graph, Node, Value, WeightRef
 from llmc.runtime.ort_attention import node_rotates
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,7 @@ class _Builder:
         self.extra_inputs: list[Any] = []  # graph inputs and outputs beyond the subgraph's values (the decode graph's caches)
         self.extra_outputs: list[Any] = []
         self.values = {}
+        self.members = set(sub.nodes)
         for n in (graph.node(x) for x in sub.nodes):
             for v in list(n.inputs) + list(n.outputs):
                 self.values[v.name] = v
@@ -191,6 +192,8 @@ class _Builder:
         elif n.op == "Scale":
             c = self.const(f"{n.name}.value", np.array(a["value"], np.float32))
             self.add("Mul", x + [c], y, n.name)
+        elif n.op == "Slice" and self.corrected_whole(n):
+            pass  # the correction reads the projection whole (see shadow_outliers)
         elif n.op == "Slice":
             s = self.const(f"{n.name}.starts", np.array([a["start"]], np.int64))
             e = self.const(f"{n.name}.ends", np.array([a["end"]], np.int64))
@@ -213,17 +216,56 @@ class _Builder:
             self.add("ReduceSum", [f"{out}.blocks", axes], [out], out, keepdims=0)
         return out
 
+    def drops(self, v: Value) -> bool:
+        """Whether no op of this graph reads ``v`` (the decode graph: q/k/v that attention takes packed)."""
+        return False
+
+    def corrected_whole(self, n: Node) -> bool:
+        """Whether Slice ``n`` is read only by a correction of this graph that reads its source whole."""
+        users = [u for u, _ in n.outputs[0].uses]
+        return (len(users) == 1 and users[0].op == "ShadowOutliers" and {n.name, users[0].name} <= self.members
+                and sliced_whole(users[0]) is not None)
+
     def shadow_outliers(self, n: Node, x: list[str], y: list[str]) -> None:
         """``y_i = ys_i + (x - clip(x)) @ W_i^T`` over the channels where some row of x is
         outside ``[lo, hi]`` (found with NonZero, so the matmul is [rows, m] x [m, N] for m
         outlier channels): the runtime kernel's arithmetic as ONNX ops, for graphs that run
-        on the CPU (``fuse_cpu_decode``)."""
+        on the CPU (``fuse_cpu_decode``). When the ys are the column slices of one projection
+        (q/k/v merged by ``fuse_sibling_linears``), the correction adds to it whole and the
+        results are sliced after: one add instead of a split and one per part."""
+        a, p = n.attrs, n.name
+        src = sliced_whole(n)
+        self.shadow_correction(n, x[0])
+        # Sum, not Add: ONNX Runtime would fuse MatMul + Add into a float Gemm before its
+        # QDQ fusion runs, and dequantize the NPU matmul's weights on every call.
+        if src is not None and {v.producer.name for v in n.inputs[1:]} <= self.members:
+            whole = whole_name(n)
+            self.add("Sum", [src.name, f"{p}.corr"], [whole], f"{p}.add")
+            start = 0
+            for v, width in zip(n.outputs, a["splits"]):
+                if not self.drops(v):
+                    st = self.const(f"{v.name}.starts", np.array([start], np.int64))
+                    en = self.const(f"{v.name}.ends", np.array([start + width], np.int64))
+                    ax = self.const(f"{v.name}.axes", np.array([1], np.int64))
+                    self.add("Slice", [whole, st, en, ax], [v.name], f"{v.name}.slice")
+                start += width
+            return
+        parts = [f"{p}.corr"]
+        if len(y) > 1:
+            parts = [f"{p}.corr{i}" for i in range(len(y))]
+            sizes = self.const(f"{p}.splits", np.array(a["splits"], np.int64))
+            self.add("Split", [f"{p}.corr", sizes], parts, f"{p}.split", axis=1)
+        for i, (ys, out) in enumerate(zip(x[1:], y)):
+            self.add("Sum", [ys, parts[i]], [out], f"{p}.add{i}")
+
+    def shadow_correction(self, n: Node, x: str) -> None:
+        """``{name}.corr = (x - clip(x)) @ W^T`` over the outlier channels, all of the correction's columns."""
         a, p = n.attrs, n.name
         lo = self.const(f"{p}.lo", np.array(a["lo"], np.float32))
         hi = self.const(f"{p}.hi", np.array(a["hi"], np.float32))
         flat = self.const(f"{p}.flat", np.array([-1], np.int64))
-        self.add("Clip", [x[0], lo, hi], [f"{p}.clip"], f"{p}.clip")
-        self.add("Sub", [x[0], f"{p}.clip"], [f"{p}.delta"], f"{p}.delta")
+        self.add("Clip", [x, lo, hi], [f"{p}.clip"], f"{p}.clip")
+        self.add("Sub", [x, f"{p}.clip"], [f"{p}.delta"], f"{p}.delta")
         if self.rows == 1:
             self.add("Reshape", [f"{p}.delta", flat], [f"{p}.any"], f"{p}.any")
         else:
@@ -235,15 +277,6 @@ class _Builder:
         self.add("Gather", [f"{p}.delta", f"{p}.chans"], [f"{p}.d"], f"{p}.gather_x", axis=1)
         self.add("Gather", [self.weight(n.weights["weight_t"]), f"{p}.chans"], [f"{p}.w"], f"{p}.gather_w", axis=0)
         self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr"], f"{p}.corr")
-        parts = [f"{p}.corr"]
-        if len(y) > 1:
-            parts = [f"{p}.corr{i}" for i in range(len(y))]
-            sizes = self.const(f"{p}.splits", np.array(a["splits"], np.int64))
-            self.add("Split", [f"{p}.corr", sizes], parts, f"{p}.split", axis=1)
-        # Sum, not Add: ONNX Runtime would fuse MatMul + Add into a float Gemm before its
-        # QDQ fusion runs, and dequantize the NPU matmul's weights on every call.
-        for i, (ys, out) in enumerate(zip(x[1:], y)):
-            self.add("Sum", [ys, parts[i]], [out], f"{p}.add{i}")
 
     def value_info(self, name: str):
 
@@ -293,19 +326,47 @@ def _kv_names(layer: int) -> dict[str, str]:
             "present_value": f"present_value.{layer}"}
 
 
-def packed_qkv(attn: Node):
-    """The fused projection whose consecutive column slices are ``attn``'s q, k and v (all of it), or None."""
-    a = attn.attrs
-    hd, kvd = a["num_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"]
-    slices = [v.producer for v in attn.inputs[:3]]
-    if any(p is None or p.op != "Slice" for p in slices):
+def sliced_whole(shadow: Node) -> Value | None:
+    """The projection whose consecutive column slices, all of it, are the results ``shadow`` (a
+    ``ShadowOutliers``) corrects, each slice read by it alone; or None."""
+    slices = [v.producer for v in shadow.inputs[1:]]
+    if len(slices) < 2 or any(p is None or p.op != "Slice" or len(p.outputs[0].uses) != 1 for p in slices):
         return None
     src = slices[0].inputs[0]
-    if any(p.inputs[0] is not src for p in slices) or src.shape[-1] != hd + 2 * kvd:
+    ends = np.cumsum(shadow.attrs["splits"]).tolist()
+    if any(p.inputs[0] is not src for p in slices) or ends[-1] != src.shape[-1]:
         return None
-    if [(p.attrs["start"], p.attrs["end"]) for p in slices] != [(0, hd), (hd, hd + kvd), (hd + kvd, hd + 2 * kvd)]:
+    if [(p.attrs["start"], p.attrs["end"]) for p in slices] != list(zip([0, *ends[:-1]], ends)):
         return None
     return src
+
+
+def whole_name(shadow: Node) -> str:
+    """The corrected projection whole, when ``shadow`` corrects its slices (:func:`sliced_whole`)."""
+    return f"{shadow.name}.whole"
+
+
+def packed_qkv(attn: Node) -> str | None:
+    """The fused projection whose consecutive column slices are ``attn``'s q, k and v (all of it), or None:
+    the projection itself, or, when a shadow correction sits between, the corrected projection."""
+    a = attn.attrs
+    hd, kvd = a["num_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"]
+    producers = [v.producer for v in attn.inputs[:3]]
+    if any(p is None for p in producers):
+        return None
+    sh = producers[0]
+    if sh.op == "ShadowOutliers":
+        if any(p is not sh for p in producers) or list(attn.inputs[:3]) != list(sh.outputs):
+            return None
+        return whole_name(sh) if list(sh.attrs["splits"]) == [hd, kvd, kvd] and sliced_whole(sh) is not None else None
+    if any(p.op != "Slice" for p in producers):
+        return None
+    src = producers[0].inputs[0]
+    if any(p.inputs[0] is not src for p in producers) or src.shape[-1] != hd + 2 * kvd:
+        return None
+    if [(p.attrs["start"], p.attrs["end"]) for p in producers] != [(0, hd), (hd, hd + kvd), (hd + kvd, hd + 2 * kvd)]:
+        return None
+    return src.name
 
 
 class _DecodeBuilder(_Builder):
@@ -345,10 +406,13 @@ class _DecodeBuilder(_Builder):
             self.attention(n, x, y)
         elif n.op == "SelectRows":
             self.add("Identity", x, y, n.name)  # the one row is the row that needs logits
-        elif n.op == "Slice" and all(u.op == "Attention" and self.packed(u) is not None for u, _ in n.outputs[0].uses):
+        elif n.op == "Slice" and self.drops(n.outputs[0]):
             pass  # read only by attention nodes that take the fused projection packed
         else:
             super().lower(n)
+
+    def drops(self, v: Value) -> bool:
+        return bool(v.uses) and all(u.op == "Attention" and self.packed(u) is not None for u, _ in v.uses)
 
     @staticmethod
     def node_rotates(attn: Node) -> bool:
@@ -367,7 +431,7 @@ class _DecodeBuilder(_Builder):
         a, p, kv = n.attrs, n.name, _kv_names(n.attrs["layer"])
         s3 = self.const(f"{p}.shape3", np.array([1, 1, -1], np.int64))
         packed = self.packed(n)  # q, k and v are slices of one fused projection: the node takes it whole
-        qkv = [packed.name] if packed is not None else x[:3]
+        qkv = [packed] if packed is not None else x[:3]
         for v in qkv:
             self.add("Reshape", [v, s3], [f"{v}.bsd"], f"{v}.bsd")
         qkv = [f"{v}.bsd" for v in qkv]

@@ -8,7 +8,9 @@ import pytest
 from conftest import CHUNK, MAX_CONTEXT
 
 
-def _shadow_graph(rows: int, K: int, splits: list[int], weight_t: np.ndarray, lo: float, hi: float):
+def _shadow_graph(rows: int, K: int, splits: list[int], weight_t: np.ndarray, lo: float, hi: float, sliced: bool = False):
+    """One ShadowOutliers over inputs x and y0, y1, ...; with ``sliced``, the ys are consecutive column
+    slices of one input y (a merged projection)."""
     from llmc.analyses import Subgraph
     from llmc.ir import Graph
 
@@ -16,17 +18,28 @@ def _shadow_graph(rows: int, K: int, splits: list[int], weight_t: np.ndarray, lo
     wt = g.weights.add("wt", weight_t.shape, "float32", lambda: weight_t)
     hot = g.weights.add("hot", (1, weight_t.shape[1]), "float32", lambda: np.zeros((1, weight_t.shape[1]), np.float32))
     x = g.add_input("x", (rows, K), "float32")
-    ys = [g.add_input(f"y{i}", (rows, n), "float32") for i, n in enumerate(splits)]
+    members = []
+    if sliced:
+        y = g.add_input("y", (rows, sum(splits)), "float32")
+        ends = np.cumsum(splits).tolist()
+        members = [g.add_node("Slice", [y], attrs={"start": a, "end": b}, name=f"y{i}") for i, (a, b) in enumerate(zip([0, *ends[:-1]], ends))]
+        ys, ins = [n.outputs[0] for n in members], [x, y]
+    else:
+        ys = [g.add_input(f"y{i}", (rows, n), "float32") for i, n in enumerate(splits)]
+        ins = [x, *ys]
     node = g.add_node("ShadowOutliers", [x, *ys], attrs={"lo": lo, "hi": hi, "hot_channels": [], "splits": splits},
                       weights={"weight_t": wt, "hot_rows": hot})
     g.set_outputs(node.outputs)
-    sub = Subgraph("s", (node.name,), tuple(v.name for v in [x, *ys]), tuple(v.name for v in node.outputs), ("wt", "hot"), (rows,))
+    sub = Subgraph("s", tuple(n.name for n in [*members, node]), tuple(v.name for v in ins), tuple(v.name for v in node.outputs), ("wt", "hot"), (rows,))
     return g, sub
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_onnx_shadow_matches_float_matmul(tmp_path, rows):
-    """clip(x) @ W (the NPU part) + the in-graph correction == x @ W; no outliers leaves y as is."""
+@pytest.mark.parametrize("rows,sliced", [(1, False), (5, False), (1, True), (5, True)])
+def test_onnx_shadow_matches_float_matmul(tmp_path, rows, sliced):
+    """clip(x) @ W (the NPU part) + the in-graph correction == x @ W; no outliers leaves y as is. When
+    the corrected results are slices of one projection (q/k/v merged), the correction adds into it
+    whole: no Split, one Sum."""
+    import onnx
     import onnxruntime as ort
 
     from llmc.backends.onnx_backend import emit_graphs, write_weights
@@ -35,7 +48,7 @@ def test_onnx_shadow_matches_float_matmul(tmp_path, rows):
     K, splits = 32, [24, 8]
     W = rng.standard_normal((sum(splits), K)).astype(np.float32)
     lo, hi = -2.0, 2.0
-    g, sub = _shadow_graph(rows, K, splits, np.ascontiguousarray(W.T), lo, hi)
+    g, sub = _shadow_graph(rows, K, splits, np.ascontiguousarray(W.T), lo, hi, sliced)
 
     class Plan:
         subgraphs = (sub,)
@@ -43,16 +56,19 @@ def test_onnx_shadow_matches_float_matmul(tmp_path, rows):
     weights = write_weights(g, ["wt", "hot"], tmp_path)
     table = emit_graphs(g, Plan, weights, tmp_path)
     assert table["s"]["weights"] == ["wt"]  # hot_rows is for the runtime kernel only
+    model = (tmp_path / table["s"]["instances"][str(rows)]["file"]).read_bytes()
+    ops = [n.op_type for n in onnx.load_model_from_string(model).graph.node]
+    assert (ops.count("Split"), ops.count("Sum")) == ((0, 1) if sliced else (1, 2))
     so = ort.SessionOptions()
     wt = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(W.T))
     so.add_external_initializers(["wt"], [wt])  # as the runtime feeds weights
-    sess = ort.InferenceSession((tmp_path / table["s"]["instances"][str(rows)]["file"]).read_bytes(), so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
     for planted in ([(0, 3, 9.0), (rows - 1, 17, -7.5), (0, 30, 4.0)], []):
         x = rng.uniform(-1.9, 1.9, (rows, K)).astype(np.float32)
         for r, c, v in planted:
             x[r, c] = v
         ys = np.clip(x, lo, hi) @ W.T
-        feeds = {"x": x, "y0": ys[:, :24].copy(), "y1": ys[:, 24:].copy()}
+        feeds = {"x": x, "y": ys} if sliced else {"x": x, "y0": ys[:, :24].copy(), "y1": ys[:, 24:].copy()}
         got = np.concatenate(sess.run(None, feeds), axis=1)
         np.testing.assert_allclose(got, x @ W.T, rtol=1e-5, atol=1e-4)
         if not planted:

@@ -112,6 +112,13 @@ def test_npu_bundle_decode_graph_keeps_the_corrections(model_dirs, calib_words, 
     assert "ShadowOutliers" in entry["ops"] and entry["fed"]
     (table,) = [s["weights"]["table"] for s in m["program"] if s.get("op") == "Embedding"]
     assert table not in entry["weights"]  # the float table stays out of the graph (ONNX Runtime would read all of it)
+    # q/k/v merged (fuse_sibling_linears): the correction adds into the projection whole and attention takes it packed
+    import onnx
+
+    graph = onnx.load(str(out / entry["instances"]["1"]["file"]), load_external_data=False).graph
+    gqa = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
+    assert gqa and all(list(n.input[1:3]) == ["", ""] and n.input[0].endswith(".whole.bsd") for n in gqa)
+    assert not [n for n in graph.node if n.op_type == "Split"]
     for a, b in _decode_both(out, _ids(CHUNK + 6, seed=9), CHUNK + 2):
         np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()))
 
