@@ -254,7 +254,7 @@ class _Builder:
         if len(y) > 1:
             parts = [f"{p}.corr{i}" for i in range(len(y))]
             sizes = self.const(f"{p}.splits", np.array(a["splits"], np.int64))
-            self.add("Split", [f"{p}.corr", sizes], parts, f"{p}.split", axis=1)
+            self.add("Split", [f"{p}.corr", sizes], parts, f"{p}.split", axis=-1)
         for i, (ys, out) in enumerate(zip(x[1:], y)):
             self.add("Sum", [ys, parts[i]], [out], f"{p}.add{i}")
 
@@ -263,19 +263,20 @@ class _Builder:
         a, p = n.attrs, n.name
         lo = self.const(f"{p}.lo", np.array(a["lo"], np.float32))
         hi = self.const(f"{p}.hi", np.array(a["hi"], np.float32))
-        flat = self.const(f"{p}.flat", np.array([-1], np.int64))
         self.add("Clip", [x, lo, hi], [f"{p}.clip"], f"{p}.clip")
         self.add("Sub", [x, f"{p}.clip"], [f"{p}.delta"], f"{p}.delta")
-        if self.rows == 1:
+        if self.rows == 1:  # the one row, flat: its outlier entries and their weight rows, [m] x [m, N]
+            flat = self.const(f"{p}.flat", np.array([-1], np.int64))
             self.add("Reshape", [f"{p}.delta", flat], [f"{p}.any"], f"{p}.any")
-        else:
+            delta, axis = f"{p}.any", 0
+        else:  # the channels where some row has an outlier, [rows, m] x [m, N]
             self.add("Abs", [f"{p}.delta"], [f"{p}.abs"], f"{p}.abs")
             axes = self.const(f"{p}.axes", np.array([0], np.int64))
             self.add("ReduceMax", [f"{p}.abs", axes], [f"{p}.any"], f"{p}.any", keepdims=0)
-        self.add("NonZero", [f"{p}.any"], [f"{p}.nz"], f"{p}.nonzero")
-        self.add("Reshape", [f"{p}.nz", flat], [f"{p}.chans"], f"{p}.chans")
-        self.add("Gather", [f"{p}.delta", f"{p}.chans"], [f"{p}.d"], f"{p}.gather_x", axis=1)
-        self.add("Gather", [self.weight(n.weights["weight_t"]), f"{p}.chans"], [f"{p}.w"], f"{p}.gather_w", axis=0)
+            delta, axis = f"{p}.delta", 1
+        self.add("Cast", [f"{p}.any"], [f"{p}.mask"], f"{p}.mask", to=9)  # bool: non-zero marks an outlier channel
+        self.add("Compress", [delta, f"{p}.mask"], [f"{p}.d"], f"{p}.select_x", axis=axis)
+        self.add("Compress", [self.weight(n.weights["weight_t"]), f"{p}.mask"], [f"{p}.w"], f"{p}.select_w", axis=0)
         self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr"], f"{p}.corr")
 
     def value_info(self, name: str):
