@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -19,6 +21,8 @@ from typing import Any, Iterator
 
 from llmc.errors import CompileError, OutputError
 from llmc.runtime.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
+
+log = logging.getLogger(__name__)
 
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -54,7 +58,8 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
     out = check_output(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        _sweep_partials(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".partial", dir=out.parent))
     except OSError as e:
         raise _output_error(out, e) from e
     try:
@@ -78,6 +83,22 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _sweep_partials(out: Path) -> None:
+    """Remove what compiles of ``out`` that were killed outright (SIGKILL, power loss) left behind: the
+    ``.NAME.PID.*.partial`` directories whose process no longer runs."""
+    for p in out.parent.glob(f".{glob.escape(out.name)}.*.partial"):
+        pid = p.name[len(out.name) + 2 :].split(".", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            log.info("removing %s, left by a compile that was killed", p)
+            shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass  # it runs (as another user): leave it
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:

@@ -552,7 +552,17 @@ def ops():
         click.echo(f"{d.name:<12} {d.kind:<8} {d.summary}")
 
 
+def _terminate(signum, frame) -> None:
+    """SIGTERM/SIGHUP (a cancelled CI job, ``timeout``, a closed terminal) unwind like Ctrl-C, so a
+    compile removes its partial output; the exit code is the shell's 128 + signal."""
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _terminate)
     cli(prog_name="llmc")
 
 

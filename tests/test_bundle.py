@@ -170,6 +170,42 @@ def test_os_errors_around_the_bundle_are_output_errors(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_killed_compiles_leave_nothing(model_dirs, tmp_path):
+    """SIGTERM (a cancelled CI job, `timeout`) unwinds like Ctrl-C: exit 143 and no partial bundle. What a
+    compile killed outright (SIGKILL) left behind, the next compile of that output removes; a running
+    compile's partial output is left alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from llmc.backends import bundle
+
+    out = tmp_path / "b"
+    code = ("import sys, time; from llmc.backends import onnx_backend; real = onnx_backend.write_weights\n"
+            "def slow(*a, **k):\n    r = real(*a, **k); time.sleep(60); return r\n"
+            "onnx_backend.write_weights = slow; from llmc.cli import main; sys.argv = sys.argv[:1] + sys.argv[1:]; main()")
+    p = subprocess.Popen([sys.executable, "-c", code, "compile", str(model_dirs("llama")), "-o", str(out), "--chunk", str(CHUNK),
+                          "--max-context", str(MAX_CONTEXT), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".b.*.partial/weights/weights.bin")) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    assert list(tmp_path.glob(".b.*.partial")), p.communicate()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 128 + signal.SIGTERM
+    assert list(tmp_path.iterdir()) == []
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f".b.{dead.pid}.x1.partial" / "weights").mkdir(parents=True)  # a killed compile's leftovers
+    (tmp_path / f".b.{os.getpid()}.x2.partial").mkdir()  # a compile that is running (this process)
+    (tmp_path / ".bb.1.x3.partial").mkdir()  # another output's
+    with bundle.atomic_directory(out) as root:
+        (root / "x").write_text("x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["b", f".b.{os.getpid()}.x2.partial", ".bb.1.x3.partial"])
+
+
 def test_refuses_to_replace_foreign_directory(model_dirs, tmp_path):
     from llmc.compile import compile_model
     from llmc.errors import CompileError
