@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from llmc.errors import CompileError, OutputError
-from llmc.runtime.manifest import MANIFEST, SCHEMA_VERSION, sha256_file
+from llmc.runtime.manifest import MANIFEST, SCHEMA_VERSION, manifest_digest, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -109,4 +109,5 @@ def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
             rel = p.relative_to(root).as_posix()
             files[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     body = {"schema_version": SCHEMA_VERSION, **manifest, "files": files}
+    body["manifest_sha256"] = manifest_digest(body)
     (root / MANIFEST).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")

@@ -338,6 +338,17 @@ def inspect(bundle, as_json, no_verify):
     from llmc.runtime import load_manifest
 
     m = load_manifest(bundle, verify=not no_verify)
+    try:
+        _inspect(bundle, m, as_json)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        from llmc.runtime import BundleError
+
+        raise BundleError(f"{bundle}: manifest.json does not describe a bundle this llmc can read ({type(e).__name__}: {e})",
+                          hint="the manifest was edited or made by another llmc; recompile the bundle") from e
+
+
+def _inspect(bundle: str, m: dict, as_json: bool) -> None:
+    """Print the summary of ``bundle`` (manifest ``m``)."""
     files = m["files"]
     weight_bytes = sum(w["nbytes"] for w in m["weights"].values())
     graph_bytes = sum(files[i["file"]]["bytes"] for g in m["graphs"].values() for i in g["instances"].values())

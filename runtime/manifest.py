@@ -2,7 +2,8 @@
 
 The runtime owns the manifest schema; the compiler writes what this module
 reads. Before anything runs, :func:`load_manifest` checks the schema version,
-that every path stays inside the bundle, and the SHA-256 of every file.
+that the manifest itself is unchanged (``manifest_sha256``, a digest of the rest
+of it), that every path stays inside the bundle, and the SHA-256 of every file.
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ def sha256_file(path: Path, block: int = 1 << 22) -> str:
                 break
             h.update(b)
     return h.hexdigest()
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the manifest's canonical JSON, without its own ``manifest_sha256`` entry."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def resolve_inside(bundle: Path, rel: str) -> Path:
@@ -59,6 +66,19 @@ def map_weights(bundle: str | Path, table: dict[str, dict[str, Any]]) -> dict[st
     return out
 
 
+def _check_layout(bundle: Path, m: dict[str, Any]) -> None:
+    """The manifest's top-level entries have the types and ranges the runtime relies on."""
+    def bad(what: str) -> BundleError:
+        return BundleError(f"{bundle}: manifest.json {what}", hint="the manifest was edited or is corrupt; recompile the bundle")
+
+    for key, kind in (("program", list), ("graphs", dict), ("weights", dict), ("io", dict), ("model", dict)):
+        if not isinstance(m.get(key), kind):
+            raise bad(f"has no {key} {kind.__name__}")
+    chunk, ctx = m.get("chunk"), m.get("max_context")
+    if not isinstance(chunk, int) or not isinstance(ctx, int) or not 1 <= chunk <= ctx:
+        raise bad(f"says chunk {chunk!r} and max_context {ctx!r}; they must be whole numbers with 1 <= chunk <= max_context")
+
+
 def load_manifest(bundle: str | Path, verify: bool = True) -> dict[str, Any]:
     bundle = Path(bundle)
     mpath = bundle / MANIFEST
@@ -76,6 +96,11 @@ def load_manifest(bundle: str | Path, verify: bool = True) -> dict[str, Any]:
             f"{bundle}: manifest schema version {version!r}, this runtime reads version {SCHEMA_VERSION}",
             hint="recompile the bundle with this version of llmc, or run it with the llmc that built it",
         )
+    digest = manifest.get("manifest_sha256")  # bundles compiled before the digest existed have none
+    if digest is not None and digest != manifest_digest(manifest):
+        raise BundleError(f"{mpath} was changed after the bundle was compiled (it does not match its manifest_sha256)",
+                          hint="refusing to run it; recompile the bundle or restore the original manifest.json")
+    _check_layout(bundle, manifest)
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise BundleError(f"{bundle}: the manifest lists no files", hint="the bundle is corrupt; recompile it")

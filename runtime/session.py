@@ -142,6 +142,15 @@ class Session:
             raise ProviderError(f"unknown provider {provider!r}", hint="choose one of: " + ", ".join(PROVIDERS))
         self.bundle = Path(bundle)
         self.manifest = load_manifest(self.bundle, verify=verify)
+        try:
+            self._setup(ort, provider, threads, lazy, prefetch)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration, ZeroDivisionError) as e:
+            # load_manifest checked the files and the manifest's digest: an old or hand-made manifest
+            raise BundleError(f"{self.bundle}: manifest.json does not describe a bundle this runtime can run ({type(e).__name__}: {e})",
+                              hint="the manifest was edited or made by another llmc; recompile the bundle") from e
+
+    def _setup(self, ort: Any, provider: str, threads: int | None, lazy: bool, prefetch: bool) -> None:
+        """Everything the constructor derives from the manifest; the ONNX Runtime sessions unless ``lazy``."""
         self.provider = self._choose_provider(provider)
         self._ort = ort
         m = self.manifest
@@ -389,7 +398,13 @@ class Session:
         if names:
             so.add_external_initializers(names, [self._ortvalues[n] for n in names])
         model_bytes = resolve_inside(self.bundle, inst["file"]).read_bytes()
-        sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"], **budgeted)
+        try:
+            sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"], **budgeted)
+        except Exception as e:  # onnxruntime's own exception types (InvalidProtobuf, InvalidGraph, Fail, ...)
+            if type(e).__module__.split(".")[0] != "onnxruntime":
+                raise
+            raise BundleError(f"{self.bundle}: ONNX Runtime cannot load {inst['file']} (graph {graph}): {str(e).splitlines()[0][:300]}",
+                              hint="the bundle is corrupt or was made by another llmc; recompile it") from e
         shapes = {i.name: tuple(i.shape) for i in sess.get_inputs()}  # a per-tensor scale is a scalar input
         if streamed:
             self.residency.streaming.shapes.update({n: shapes[n] for n in streamed})

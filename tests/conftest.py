@@ -128,6 +128,17 @@ def bundles(tmp_path_factory, model_dirs):
     return get
 
 
+def write_manifest(bundle: Path, m: dict) -> None:
+    """Write an edited manifest with a matching ``manifest_sha256``: an edit the runtime's digest check
+    does not catch (a bundle made that way, or another tool's manifest)."""
+    import json
+
+    from llmc.runtime.manifest import manifest_digest
+
+    m["manifest_sha256"] = manifest_digest(m)
+    (bundle / "manifest.json").write_text(json.dumps(m))
+
+
 def hf_greedy(model_dir: Path, ids: list[int], n: int) -> list[int]:
     import torch
     import transformers as T

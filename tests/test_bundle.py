@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import CHUNK, MAX_CONTEXT
+from conftest import CHUNK, MAX_CONTEXT, write_manifest
 
 
 def _files(d):
@@ -67,6 +67,56 @@ def test_tampered_weights_refused_before_inference(bundles, tmp_path):
         Session(d)
 
 
+def test_edited_manifest_refused(bundles, tmp_path):
+    """An edit to manifest.json is caught by its digest. Edits that come with a matching digest (a
+    hand-made or foreign manifest) still fail as named bundle errors, exit 5, never a traceback:
+    missing sections, bad sizes, a graph file that is not ONNX (its hash updated too)."""
+    import hashlib
+
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+    from llmc.runtime import BundleError, Session
+
+    d = _copy(bundles, tmp_path)
+    m = json.loads((d / "manifest.json").read_text())
+    edited = dict(m, chunk=m["chunk"] + 1)
+    (d / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(BundleError, match="manifest.json was changed after the bundle was compiled"):
+        Session(d)
+
+    def resealed(edit, name):
+        out = tmp_path / name
+        shutil.copytree(d, out)
+        mm = json.loads(json.dumps(m))
+        edit(mm, out)
+        write_manifest(out, mm)
+        return out
+
+    def garbage_graph(mm, out):
+        f = mm["graphs"][mm["decode_graph"]]["instances"]["1"]["file"]
+        (out / f).write_bytes(b"not a model")
+        mm["files"][f] = {"bytes": 11, "sha256": hashlib.sha256(b"not a model").hexdigest()}
+
+    cases = {
+        "no-program": (lambda mm, out: mm.pop("program"), "has no program list"),
+        "chunk-0": (lambda mm, out: mm.update(chunk=0), "chunk 0 and max_context"),
+        "graphs-list": (lambda mm, out: mm.update(graphs=[]), "has no graphs dict"),
+        "bad-dtype": (lambda mm, out: next(iter(mm["weights"].values())).update(dtype="float99"), "does not describe a bundle"),
+        "bad-decode-graph": (lambda mm, out: mm.update(decode_graph="nope"), "does not describe a bundle"),
+        "garbage-graph": (garbage_graph, "ONNX Runtime cannot load graphs/decode_model.r1.onnx"),
+    }
+    for name, (edit, message) in cases.items():
+        out = resealed(edit, name)
+        with pytest.raises(BundleError, match=message):
+            Session(out)
+        r = CliRunner().invoke(cli, ["run", str(out), "--prompt-ids", "5,6", "--max-new-tokens", "2"])
+        assert r.exit_code == 5 and "hint:" in r.output, (name, r.output)
+        if name in ("no-program", "bad-decode-graph", "graphs-list"):
+            r = CliRunner().invoke(cli, ["inspect", str(out)])
+            assert r.exit_code == 5 and "hint:" in r.output, (name, r.output)
+
+
 def test_missing_file_refused(bundles, tmp_path):
     from llmc.runtime import BundleError, Session
 
@@ -82,7 +132,7 @@ def test_path_outside_bundle_refused(bundles, tmp_path):
     d = _copy(bundles, tmp_path)
     m = json.loads((d / "manifest.json").read_text())
     m["files"]["../escape.bin"] = {"bytes": 1, "sha256": "0"}
-    (d / "manifest.json").write_text(json.dumps(m))
+    write_manifest(d, m)
     with pytest.raises(BundleError, match="outside the bundle"):
         Session(d)
 
@@ -93,7 +143,7 @@ def test_schema_version_checked(bundles, tmp_path):
     d = _copy(bundles, tmp_path)
     m = json.loads((d / "manifest.json").read_text())
     m["schema_version"] = 999
-    (d / "manifest.json").write_text(json.dumps(m))
+    write_manifest(d, m)
     with pytest.raises(BundleError, match="schema version 999"):
         Session(d)
 

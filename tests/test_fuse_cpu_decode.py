@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import CHUNK, MAX_CONTEXT
+from conftest import CHUNK, MAX_CONTEXT, write_manifest
 
 
 def _shadow_graph(rows: int, K: int, splits: list[int], weight_t: np.ndarray, lo: float, hi: float, sliced: bool = False):
@@ -177,7 +177,7 @@ def test_cpu_prefill_runs_the_cpu_program(npu_bundle, model_dirs, calib_words, m
             inst = m["graphs"][st["name"]]["instances"].pop(str(CHUNK))
             del m["files"][inst["file"]]
             (copy / inst["file"]).unlink()
-    (copy / "manifest.json").write_text(json.dumps(m))
+    write_manifest(copy, m)
     old = Session(copy, "cpu")
     assert not old._cpu_prefill and old._decode_program is not None and old.counts_outliers
     old.reset()

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import CHUNK, MAX_CONTEXT
+from conftest import CHUNK, MAX_CONTEXT, write_manifest
 from offload_plans import hand_offload
 
 PIPE = {"cpu": "dce,select_logit_rows,chunk_static_graphs",
@@ -197,7 +197,7 @@ def test_pool_never_holds_more_than_buffer_bytes(tmp_path, model_dirs, monkeypat
         m = json.loads((bundle / "manifest.json").read_text())
         if bundle is tight:  # prefetch `depth` steps ahead, but in a buffer that holds one step
             m["offload"]["prefetch_depth"] = depth
-            (bundle / "manifest.json").write_text(json.dumps(m))
+            write_manifest(bundle, m)
         for prefetch in (True, False):
             s, logits, toks = _run(bundle, prefetch)
             st = s.residency.streaming.stats
@@ -283,7 +283,7 @@ def _tamper(bundle: Path, tmp_path: Path, edit) -> Path:
     shutil.copytree(bundle, out)
     m = json.loads((out / "manifest.json").read_text())
     edit(m)
-    (out / "manifest.json").write_text(json.dumps(m))
+    write_manifest(out, m)
     return out
 
 
