@@ -268,9 +268,10 @@ _NO_PREFETCH = click.option("--no-prefetch", is_flag=True,
 @click.option("--greedy", "mode", flag_value="greedy", default=True, help="Pick the most likely token (default).")
 @click.option("--sample", "mode", flag_value="sample", help="Sample with --temperature/--top-k/--top-p and --seed.")
 @click.option("--temperature", type=click.FloatRange(0, min_open=True), default=None, help="Sampling temperature (implies --sample).")
-@click.option("--top-k", type=click.IntRange(0), default=0)
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0)
-@click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same tokens).")
+@click.option("--top-k", type=click.IntRange(0), default=0, help="Sample from the k most likely tokens (0: all; k > 0 implies --sample).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+              help="Sample from the smallest set of tokens holding this probability (below 1 implies --sample).")
+@click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same tokens; greedy decoding ignores it).")
 @click.option("--no-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "qnn"]), default="auto", show_default=True,
               help="qnn: NPU graphs on the QNN HTP backend (simulator on x86_64); auto: qnn when available and built, else cpu.")
@@ -284,8 +285,10 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, mode, temperature, top_k, to
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-ids")
-    if temperature is not None:
+    if temperature is not None or top_k or top_p < 1.0:
         mode = "sample"
+    elif mode == "greedy" and seed is not None:
+        click.echo("warning: --seed has no effect with greedy decoding; add --sample (or --temperature) to sample", err=True)
     sess = _make_session(bundle, provider, threads, prefetch=not no_prefetch)
     if prompt_ids is not None:
         try:
@@ -312,6 +315,8 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, mode, temperature, top_k, to
     for ev in sess.stream(source, max_new_tokens, metrics=metrics, **kw):
         click.echo(ev.text, nl=False)
     click.echo()
+    if metrics.generated_tokens < max_new_tokens and sess.position >= sess.max_context:
+        click.echo(f"[stopped: the context is full ({sess.max_context} tokens, the bundle's --max-context)]", err=True)
     click.echo(
         f"[{metrics.prompt_tokens} prompt tokens, {metrics.generated_tokens} generated; TTFT {metrics.ttft_s * 1000:.0f} ms, "
         f"prefill {metrics.prefill_tok_s:.1f} tok/s, decode {metrics.decode_tok_s:.1f} tok/s, peak RSS {metrics.peak_rss_mb:.0f} MB]",
@@ -442,6 +447,13 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
     click.echo(f"total      {summary['total_bytes'] / 1e6:.1f} MB in {len(files)} files")
 
 
+def _read_text(path: str, option: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise click.UsageError(f"{option} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+
+
 @cli.command(name="eval")
 @click.argument("bundle", type=click.Path())
 @click.option("--text", "text_file", type=click.Path(dir_okay=False, exists=True), default=None, help="Measure perplexity on this UTF-8 text file.")
@@ -466,23 +478,33 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
     sess = _make_session(bundle, "auto", threads)
     result: dict = {"bundle": str(bundle)}
     if text_file is not None:
-        ids = sess.encode(Path(text_file).read_text(encoding="utf-8"))
+        ids = sess.encode(_read_text(text_file, "--text"))
         if max_tokens:
             ids = ids[:max_tokens]
+        if len(ids) < 2:
+            raise click.UsageError(f"--text {text_file} is {len(ids)} token{'s' if len(ids) != 1 else ''} long; perplexity needs at least two")
+        if window and window > sess.max_context:
+            click.echo(f"warning: --window {window} is longer than the bundle's max context; using {sess.max_context}", err=True)
         result["perplexity"] = dataclasses.asdict(ev.perplexity(sess, ids, window))
         if not as_json:
             p = result["perplexity"]
             click.echo(f"perplexity {p['perplexity']:.4f} over {p['tokens']} tokens ({p['windows']} windows of {p['window']})")
     if reference is not None:
-        prompts = [line.strip() for line in Path(prompts_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+        prompts = [line.strip() for line in _read_text(prompts_file, "--prompts").splitlines() if line.strip()]
         if not prompts:
             raise click.UsageError(f"{prompts_file} has no prompts")
         ref = _make_session(reference, "auto", threads)
+        vocab = (sess.manifest["model"].get("vocab_size"), ref.manifest["model"].get("vocab_size"))
+        if vocab[0] != vocab[1]:
+            raise click.UsageError(f"{bundle} has a vocabulary of {vocab[0]} tokens and {reference} one of {vocab[1]}: "
+                                   "agreement compares bundles of the same model")
         a = ev.agreement(sess, ref, prompts, new_tokens)
         result["agreement"] = dataclasses.asdict(a)
         result["agreement"]["reference"] = str(reference)
         if not as_json:
-            click.echo(f"greedy agreement with {reference} over {a.prompts} prompts x {new_tokens} tokens: "
+            scored = f"{a.prompts} prompts x {new_tokens} tokens" if a.positions == a.prompts * new_tokens else \
+                f"{a.prompts} prompts, {a.positions} positions (generation stops at the max context)"
+            click.echo(f"greedy agreement with {reference} over {scored}: "
                        f"teacher-forced {a.teacher_forced:.1%}, free-running {a.free_running:.1%}")
     if getattr(sess, "outlier_counts", None):  # a W8A8 bundle: null when its corrections ran inside the graphs, uncounted
         result["shadow_outliers_seen"] = int(sum(sess.outlier_counts.values())) if sess.counts_outliers else None

@@ -23,6 +23,12 @@ class PromptTooLongError(LlmcRuntimeError):
     exit_code = 6
 
 
+class TokenIdError(LlmcRuntimeError):
+    """A token id is outside the bundle's vocabulary."""
+
+    exit_code = 6
+
+
 class ProviderError(LlmcRuntimeError):
     """The requested execution provider is not available for this bundle."""
 

@@ -27,7 +27,7 @@ import numpy as np
 from llmc.runtime import kernels
 from llmc.runtime.binding import BoundGraph
 from llmc.runtime.decode_graph import DecodeGraphRunner
-from llmc.runtime.errors import BundleError, PromptTooLongError, ProviderError
+from llmc.runtime.errors import BundleError, PromptTooLongError, ProviderError, TokenIdError
 from llmc.runtime.manifest import load_manifest, map_weights, resolve_inside
 from llmc.runtime.ort_attention import OrtAttention, check_int8_cache_support
 from llmc.runtime.residency import Residency
@@ -625,6 +625,7 @@ class Session:
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):
             raise PromptTooLongError("the prompt is empty", hint="give at least one token")
+        self._check_ids(ids)
         if self.cache is None:
             self.reset()
         if self.position + len(ids) > self.max_context:
@@ -659,9 +660,17 @@ class Session:
         """``ids`` in chunks through the CPU program when the CPU prefills with it, else the compiled schedule."""
         return self._prefill_cpu_program(ids, logits_for) if self._cpu_prefill else self._prefill_scheduled(ids, logits_for)
 
+    def _check_ids(self, ids: np.ndarray) -> None:
+        vocab = self.manifest["model"].get("vocab_size")
+        if vocab and len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+            raise TokenIdError(f"token id {bad} is outside the vocabulary of this bundle (ids 0..{vocab - 1})",
+                               hint="token ids must come from the model's own tokenizer (llmc run --prompt TEXT encodes with it)")
+
     def decode(self, token: int) -> np.ndarray:
         """Feed one token through the decode graph (one call), the CPU decode program, or the
         program's one-row instances; return its logits."""
+        self._check_ids(np.array([token], np.int64))
         start = self.position
         if start + 1 > self.max_context:
             raise PromptTooLongError(f"sequence would reach {start + 1} tokens; this bundle was compiled with --max-context {self.max_context}")

@@ -10,7 +10,7 @@ import sys
 
 from click.testing import CliRunner
 
-from conftest import CHUNK
+from conftest import CHUNK, write_manifest
 
 from llmc.cli import cli
 
@@ -57,6 +57,46 @@ def test_sampling_flags(bundles):
     a = json.loads(invoke("run", b, "--prompt", "the cat", "--temperature", "0.8", "--seed", 3, "--no-eos", "--json").output)
     c = json.loads(invoke("run", b, "--prompt", "the cat", "--temperature", "0.8", "--seed", 3, "--no-eos", "--json").output)
     assert a["token_ids"] == c["token_ids"]
+
+
+def test_sampling_options_imply_sampling_and_a_full_context_is_said(bundles):
+    """--top-k and --top-p switch sampling on as --temperature does; --seed alone warns that greedy
+    decoding ignores it; text mode says when generation stopped at the max context."""
+    b = bundles("llama")
+    greedy = json.loads(invoke("run", b, "--prompt-ids", "5,6,7", "--max-new-tokens", 12, "--no-eos", "--json").output)["token_ids"]
+    seen = {tuple(json.loads(invoke("run", b, "--prompt-ids", "5,6,7", "--max-new-tokens", 12, "--no-eos", "--json", "--top-k", 50,
+                                    "--seed", seed).output)["token_ids"]) for seed in range(4)}
+    assert len(seen) > 1 or seen != {tuple(greedy)}  # sampled: the seeds differ, or at least one run leaves the greedy path
+    r = invoke("run", b, "--prompt-ids", "5,6,7", "--max-new-tokens", 3, "--seed", 1)
+    assert r.exit_code == 0 and "--seed has no effect with greedy decoding" in r.output
+    ctx = json.loads((b / "manifest.json").read_text())["max_context"]
+    r = invoke("run", b, "--prompt-ids", ",".join(["5"] * (ctx - 2)), "--max-new-tokens", 10, "--no-eos")
+    assert r.exit_code == 0 and f"stopped: the context is full ({ctx} tokens" in r.output and "3 generated" in r.output  # the last one is not fed
+
+
+def test_eval_input_errors(bundles, tmp_path):
+    """eval names bad inputs: text too short to score, a file that is not UTF-8, a --window past the max
+    context (used, with a warning), agreement with a bundle of another vocabulary."""
+    b = bundles("llama")
+    (tmp_path / "one.txt").write_text("the")
+    r = invoke("eval", b, "--text", tmp_path / "one.txt")
+    assert r.exit_code == 2 and "perplexity needs at least two" in r.output, r.output
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    r = invoke("eval", b, "--text", tmp_path / "latin1.txt")
+    assert r.exit_code == 2 and "is not UTF-8 text" in r.output, r.output
+    r = invoke("eval", b, "--against", b, "--prompts", tmp_path / "latin1.txt")
+    assert r.exit_code == 2 and "--prompts" in r.output and "is not UTF-8 text" in r.output, r.output
+    (tmp_path / "t.txt").write_text("the cat sat on the mat and the dog sat on the log " * 3)
+    r = invoke("eval", b, "--text", tmp_path / "t.txt", "--window", 100000)
+    assert r.exit_code == 0 and "--window 100000 is longer than the bundle's max context" in r.output
+    (tmp_path / "p.txt").write_text("the cat\n")
+    other = tmp_path / "other"  # as a bundle of a model with a larger vocabulary would say
+    shutil.copytree(b, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["model"]["vocab_size"] += 100
+    write_manifest(other, m)
+    r = invoke("eval", b, "--against", other, "--prompts", tmp_path / "p.txt")
+    assert r.exit_code == 2 and "agreement compares bundles of the same model" in r.output, r.output
 
 
 def test_passes_and_ops_listing():

@@ -180,6 +180,27 @@ def test_empty_prompt_is_a_named_error(bundles):
         Session(bundles("llama"), "cpu").prefill([])
 
 
+def test_token_ids_outside_the_vocabulary_are_named_errors(bundles):
+    """prefill, decode and `llmc run --prompt-ids` refuse an id past the vocabulary or below zero (exit 6),
+    before anything runs."""
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+    from llmc.runtime import Session, TokenIdError
+
+    s = Session(bundles("llama"), "cpu")
+    vocab = s.manifest["model"]["vocab_size"]
+    for ids in ([5, vocab], [-1, 5]):
+        with pytest.raises(TokenIdError, match=f"token id {ids[0] if ids[0] < 0 else vocab} is outside the vocabulary"):
+            s.prefill(ids)
+        assert s.position == 0
+    s.prefill([5, 6])
+    with pytest.raises(TokenIdError, match="outside the vocabulary"):
+        s.decode(vocab + 3)
+    r = CliRunner().invoke(cli, ["run", str(bundles("llama")), "--prompt-ids", f"5,{vocab}", "--max-new-tokens", "2"])
+    assert r.exit_code == 6 and f"token id {vocab} is outside the vocabulary" in r.output and "hint:" in r.output, r.output
+
+
 @pytest.mark.parametrize("n,chunks,steps", [(5, 0, 5), (257, 1, 1), (300, 2, 1)])
 def test_schedule_prices_prefill_ending_in_the_decode_graph(tmp_path, n, chunks, steps):
     """The schedule mirrors Session.prefill (chunk 256, CPU placement): the timeline covers the chunked
