@@ -157,6 +157,14 @@ def check_config(config: Any, source: str) -> None:
             f"{source}: architecture {', '.join(map(str, archs))} (model_type {mt!r}) is not supported",
             hint="supported model types: " + ", ".join(sorted(SUPPORTED_MODEL_TYPES)),
         )
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if isinstance(layers, int) and layers < 1:
+        raise UnsupportedModelError(f"{source}: the config has num_hidden_layers {layers}; a decoder needs at least one layer", hint="fix config.json")
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise UnsupportedModelError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}",
+                                    hint="fix config.json: each key/value head serves the same number of query heads")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if isinstance(rope, dict):
         rtype = rope.get("rope_type", rope.get("type", "default"))
@@ -253,8 +261,11 @@ def _load(source: str, directory: Path | str, kwargs: dict[str, Any], descriptio
                     hint=f"download it on a machine with network (huggingface-cli download {source}) or pass a local directory",
                 ) from e
             raise ModelLoadError(f"cannot read the model config from {source}: {e}", hint="check that the files are complete") from e
-        except (ValueError, KeyError) as e:
-            raise ModelLoadError(f"cannot read the model config from {source}: {e}") from e
+        except Exception as e:  # transformers validates configs with its own exception types (huggingface_hub's)
+            if not isinstance(e, (ValueError, KeyError, TypeError)) and type(e).__module__.split(".")[0] not in ("transformers", "huggingface_hub"):
+                raise
+            raise ModelLoadError(f"cannot read the model config from {source}: {str(e).strip().splitlines()[-1][:300]}",
+                                 hint="fix config.json") from e
         check_config(config, source)
         streamed = _streamed(directory, config) if not kwargs.get("gguf_file") and isinstance(directory, Path) else None
         if streamed is not None:

@@ -52,8 +52,13 @@ def load_config(source: str):
             return transformers.AutoConfig.from_pretrained(p.parent, gguf_file=p.name, local_files_only=True), f"GGUF file {p}"
         if p.is_dir() and (p / "config.json").is_file():
             return transformers.AutoConfig.from_pretrained(p, local_files_only=True), f"model directory {p}"
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"cannot read the config of {source}: {e}") from e
+    except ModelLoadError:
+        raise
+    except Exception as e:  # transformers validates configs with its own exception types (huggingface_hub's)
+        if not isinstance(e, (OSError, ValueError, KeyError, TypeError, AttributeError)) and \
+                type(e).__module__.split(".")[0] not in ("transformers", "huggingface_hub"):
+            raise
+        raise ModelLoadError(f"cannot read the config of {source}: {str(e).strip().splitlines()[-1][:300]}", hint="fix the config") from e
     raise ModelLoadError(f"no model config found for {source!r}",
                          hint="pass a config.json, a model directory, a .gguf file, smollm2-135m, or one of: " + ", ".join(known_configs()))
 
@@ -61,6 +66,8 @@ def load_config(source: str):
 def _from_dict(data: dict[str, Any]):
     import transformers
 
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"the config is a JSON {type(data).__name__}, not an object", hint="pass a model's config.json")
     data = {k: v for k, v in data.items() if not k.startswith("_llmc")}
     mt = data.get("model_type")
     if not mt:

@@ -133,6 +133,27 @@ def test_errors_have_messages_and_exit_codes(bundles, tmp_path):
     assert r.exit_code == 5 and "does not exist" in r.output
 
 
+def test_bad_configs_are_named_errors(tmp_path):
+    """Configs transformers rejects, or that no decoder can have, are named model errors for compile
+    and plan (exit 3 or 4), not tracebacks or a misleading trace failure."""
+    from conftest import COMMON
+
+    base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **COMMON}
+    cases = {"hidden": ({"hidden_size": 66}, 3, "not a multiple of the number of attention heads"),
+             "kv-heads": ({"num_key_value_heads": 3}, 4, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+             "no-layers": ({"num_hidden_layers": 0}, 4, "needs at least one layer")}
+    for name, (edit, code, message) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**base, **edit}))
+        for args in (("compile", d, "-o", tmp_path / f"out-{name}"), ("plan", d / "config.json")):
+            r = invoke(*args)
+            assert r.exit_code == code and message in r.output and "hint:" in r.output, (name, args[0], r.output)
+    (tmp_path / "list.json").write_text("[1, 2]")
+    r = invoke("plan", tmp_path / "list.json")
+    assert r.exit_code == 3 and "a JSON list, not an object" in r.output, r.output
+
+
 def test_console_script_entry_point():
     exe = shutil.which("llmc") or str((__import__("pathlib").Path(sys.executable).parent / "llmc"))
     out = subprocess.run([exe, "--help"], capture_output=True, text=True)
