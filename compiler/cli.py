@@ -112,7 +112,15 @@ def compile(model, out, target, weights, kv_cache, soc, qnn_shard_mb, qnn_shard_
     timing = PassTiming()
     instruments.append(timing)
     if dump_ir:
+        try:
+            Path(dump_ir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise click.BadParameter(f"cannot create {dump_ir}: {e.strerror or e}", param_hint="--dump-ir") from e
         instruments.append(IRDump(Path(dump_ir)))
+    # the options the user gave: compile refuses those nothing in this compile reads
+    ctx = click.get_current_context()
+    explicit = {"shadow" if p.name == "no_shadow" else p.name for p in ctx.command.params
+                if ctx.get_parameter_source(p.name) is not click.core.ParameterSource.DEFAULT}
     t0 = time.perf_counter()
 
     def progress(stage: str) -> None:
@@ -131,6 +139,7 @@ def compile(model, out, target, weights, kv_cache, soc, qnn_shard_mb, qnn_shard_
         calib_file=calib_file, calib_tokens=calib_tokens, cache_dir=cache_dir, shadow=not no_shadow, clip_percentile=clip_percentile,
         shadow_keep=shadow_keep, pruned_percentile=None if pruned_percentile >= 100 else pruned_percentile, hot_budget=hot_budget,
         weight_granularity=weight_granularity, profile=profile, placement=placement, prompt_len=prompt_len, memory_budget=memory_budget, prefetch_depth=prefetch_depth,
+        explicit=explicit,
     )
     if time_passes:
         click.echo("pass timings:", err=True)
@@ -217,6 +226,13 @@ def profile_host(out, threads, as_json):
     from llmc.host_profile import measure
 
     path = Path(out) if out else user_profile_dir() / "host.json"
+    try:  # before the measuring, not after it
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.parent / f".{path.name}.probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {path}: {e.strerror or e}", param_hint="--output") from e
     prof = measure(threads=threads, progress=lambda s: click.echo(f"measuring {s}", err=True))
     save(prof, path)
     if as_json:
@@ -431,7 +447,8 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
         click.echo(f"offload    budget {o['budget_bytes'] / 1e6:.1f} MB: {o['resident']} weights resident ({o['resident_bytes'] / 1e6:.1f} MB), "
                    f"{o['streamed']} streamed ({o['streamed_bytes'] / 1e6:.1f} MB per token), {o['row_streamed']} read by row "
                    f"({o['resident_rows']} of their rows resident); buffer {o['buffer_bytes'] / 1e6:.1f} MB, prefetch depth {o['prefetch_depth']}"
-                   + (f"; predicted decode {1 / o['predicted_decode_s']:.1f} tok/s with prefetch, {1 / o['predicted_decode_no_prefetch_s']:.1f} without"
+                   + ((f"; predicted decode {1 / o['predicted_decode_s']:.1f} tok/s with prefetch, {1 / o['predicted_decode_no_prefetch_s']:.1f} without"
+                       if o["prefetch_depth"] > 0 else f"; predicted decode {1 / o['predicted_decode_no_prefetch_s']:.1f} tok/s (no prefetch)")
                       if o["predicted_decode_s"] > 0 and o["predicted_decode_no_prefetch_s"] > 0 else ""))
     if summary["mlir"]:
         click.echo(f"mlir       {', '.join(summary['mlir'])} modules for every subgraph instance (mlir/)")
@@ -443,7 +460,7 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
     if pr:
         click.echo(f"predicted  ({pr['profile']}) prefill {pr['prompt_len']} tokens {pr['prefill_s'] * 1e3:.0f} ms ({pr['prefill_tok_s']:.0f} tok/s, "
                    f"in order {pr['prefill_in_order_s'] * 1e3:.0f} ms), NPU bubbles {pr['npu_bubble_rate_out_of_order'] * 100:.0f}%; "
-                   f"decode {pr['decode_tok_s']:.1f} tok/s")
+                   f"decode {pr['decode_tok_s']:.1f} tok/s" + (" with every weight resident (the offload line has the budgeted figure)" if o is not None else ""))
     click.echo(f"total      {summary['total_bytes'] / 1e6:.1f} MB in {len(files)} files")
 
 

@@ -36,6 +36,50 @@ class CompileSummary:
     decode_graph: bool = False  # the bundle also has the one-graph decode (fuse_decode_graph)
 
 
+# Compile options and what reads them: a pass of the pipeline, or a target or setting.
+_READ_BY = {
+    "shadow": ("extract_shadow_outliers", "--no-shadow"),
+    "clip_percentile": ("extract_shadow_outliers", "--clip-percentile"),
+    "shadow_keep": ("extract_shadow_outliers", "--shadow-keep"),
+    "pruned_percentile": ("extract_shadow_outliers", "--pruned-percentile"),
+    "hot_budget": ("extract_shadow_outliers", "--hot-budget"),
+    "weight_granularity": ("quantize", "--weight-granularity"),
+    "calib_file": ("calibrate", "--calib"),
+    "calib_tokens": ("calibrate", "--calib-tokens"),
+}
+
+
+def check_early(options: CompileOptions, names: list[str], target: str, qnn_skip: str | None, explicit: Iterable[str]) -> None:
+    """Option errors that would otherwise surface after loading, tracing and calibrating: an unreadable
+    --memory-budget, a missing --calib file, a cache directory that cannot be made, and options that
+    nothing in this compile reads (``explicit``: the ones the user set)."""
+    from llmc.units import parse_size
+
+    explicit = set(explicit)
+    if options.memory_budget is not None and not str(options.memory_budget).strip().endswith("%"):
+        parse_size(options.memory_budget)
+    elif options.memory_budget is not None:
+        parse_size(options.memory_budget, total=1)
+    if options.calib_file is not None and not Path(options.calib_file).is_file():
+        raise CompileError(f"--calib {options.calib_file}: no such file", hint="pass a UTF-8 text file, or leave --calib out for the default text")
+    if options.cache_dir is not None:
+        try:
+            Path(options.cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CompileError(f"cannot use the cache directory {options.cache_dir}: {e.strerror or e}",
+                               hint="pass --cache-dir DIR (or set LLMC_CACHE_DIR) to a writable directory, or --no-cache") from e
+    for key, (reader, flag) in _READ_BY.items():
+        if key in explicit and reader not in names:
+            raise CompileError(f"{flag} has no effect here: the pipeline has no {reader} pass",
+                               hint="it applies to --target npu" + (" and --kv-cache int8" if reader == "calibrate" else ""))
+    if explicit & {"qnn_shard_mb", "qnn_shard_graphs"} and (target != "npu" or qnn_skip):
+        raise CompileError("--qnn-shard-mb and --qnn-shard-graphs apply to the QNN context binaries: --target npu --soc SOC")
+    if explicit & {"mlir_dialect", "repro_dir"} and target != "mlir":
+        raise CompileError("--mlir-dialect and --repro-dir apply to --target mlir")
+    if "prefetch_depth" in explicit and options.memory_budget is None:
+        raise CompileError("--prefetch-depth applies to bundles compiled with --memory-budget")
+
+
 def default_pipeline(target: str) -> str:
     from llmc.passes import DEFAULT_PIPELINES
 
@@ -99,6 +143,7 @@ def compile_model(
     qnn_shard_graphs: int | None = None,
     weight_format: str = "float32",
     kv_cache: str = "float32",
+    explicit: Iterable[str] = (),
     **quant_options: Any,
 ) -> CompileSummary:
     """Compile ``source`` into the bundle directory ``out``.
@@ -111,6 +156,8 @@ def compile_model(
     ``weight_format="int4"`` (``target="cpu"`` only) runs the ``cpu-int4`` pipeline: weight-only
     int4 Linears (``quantize_int4``). ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
     ``calibrate`` where the pipeline has none, see :func:`with_kv_cache`): an int8 KV cache.
+    ``explicit`` names the options the user set (the CLI's); one that nothing in this compile
+    reads is refused (:func:`check_early`).
     """
     from llmc import lift as lift_mod
     from llmc import model_source
@@ -163,6 +210,7 @@ def compile_model(
         raise CompileError(f"unknown compile option: {e}") from None
     if "quantize_int4" in names:
         check_options(options)  # before loading the model
+    check_early(options, names, target, qnn_skip, explicit)
     seconds: dict[str, float] = {}
     notify = progress or (lambda stage: None)
 

@@ -199,7 +199,8 @@ class PlanOffload(Pass):
                     row_seconds[key] = cm.row_reads_per_token(set(key))
                 row_s = row_seconds[key] - cum_saved[k]
                 io = cm.io_seconds(sum(size[w] for w in streamed_k))
-                t = row_s + max(sched.decode_s, io)  # row reads hold both the token and the storage device
+                # row reads hold both the token and the storage device; depth 0 reads each step's weights when it runs
+                t = row_s + (max(sched.decode_s, io) if depth > 0 else sched.decode_s + io)
                 if chosen is None or t < chosen[0] - 1e-12:
                     chosen = (t, row_s + sched.decode_s + io, k, got, rows_k)
         if chosen is None:  # not even without shadow rows, in any layout

@@ -329,8 +329,8 @@ class StreamedWeights:
         self.file = file
         self.table = table
         self.by_step = by_step
-        self.depth = max(1, depth)
-        self.prefetch = prefetch
+        self.depth = depth
+        self.prefetch = prefetch and depth > 0  # depth 0 (--prefetch-depth 0): the ring holds the running step only
         self.pool = BufferPool(buffer_bytes)
         self.stats = StreamStats()
         self.shapes: dict[str, tuple[int, ...]] = {}  # graph-input shapes that differ from the stored ones (scalar scales)

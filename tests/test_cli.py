@@ -154,6 +154,31 @@ def test_bad_configs_are_named_errors(tmp_path):
     assert r.exit_code == 3 and "a JSON list, not an object" in r.output, r.output
 
 
+def test_options_are_checked_before_the_slow_stages(model_dirs, tmp_path):
+    """Options nothing in the compile reads, an unreadable --memory-budget, a missing --calib file and
+    directories that cannot be made are refused before loading the model (usage errors, nothing written)."""
+    m = model_dirs("llama")
+    (tmp_path / "file").write_text("")
+    cases = [
+        (["--no-shadow"], "--no-shadow has no effect here: the pipeline has no extract_shadow_outliers pass"),
+        (["--weight-granularity", "tensor"], "--weight-granularity has no effect here"),
+        (["--calib-tokens", "64"], "--calib-tokens has no effect here: the pipeline has no calibrate pass"),
+        (["--target", "npu", "--calib", str(tmp_path / "nope.txt")], "no such file"),
+        (["--memory-budget", "300Mbytes"], "cannot read the size '300Mbytes'"),
+        (["--prefetch-depth", "1"], "--prefetch-depth applies to bundles compiled with --memory-budget"),
+        (["--mlir-dialect", "linalg"], "apply to --target mlir"),
+        (["--target", "npu", "--qnn-shard-mb", "64"], "apply to the QNN context binaries"),
+        (["--cache-dir", str(tmp_path / "file" / "cache"), "--target", "npu"], "cannot use the cache directory"),
+        (["--dump-ir", str(tmp_path / "file" / "ir")], "cannot create"),
+    ]
+    for args, message in cases:
+        r = invoke("compile", m, "-o", tmp_path / "o", "--chunk", CHUNK, "--max-context", 32, *args)
+        assert r.exit_code == 2 and message in r.output, (args, r.output)
+        assert "[1/6] load" not in r.output and not (tmp_path / "o").exists(), (args, r.output)
+    r = invoke("profile-host", "-o", tmp_path / "file" / "host.json")
+    assert r.exit_code == 2 and "cannot write" in r.output and "measuring" not in r.output, r.output
+
+
 def test_console_script_entry_point():
     exe = shutil.which("llmc") or str((__import__("pathlib").Path(sys.executable).parent / "llmc"))
     out = subprocess.run([exe, "--help"], capture_output=True, text=True)

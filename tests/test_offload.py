@@ -464,3 +464,22 @@ def test_tied_embedding_streamed_for_the_head_and_read_by_row(tmp_path, model_di
     s.close()
     assert toks == ref_toks
     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-5 * np.abs(ref_logits).max())
+
+
+def test_prefetch_depth_0_reads_each_step_when_it_runs(model_dirs, tmp_path):
+    """--prefetch-depth 0 sizes the ring for the running step only: the runtime does not read ahead, the
+    plan predicts the no-prefetch time, and the logits are the unbudgeted bundle's."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    plain = tmp_path / "plain"
+    compile_model(str(model_dirs("llama")), plain, chunk=CHUNK, max_context=MAX_CONTEXT)
+    out = tmp_path / "d0"
+    compile_model(str(model_dirs("llama")), out, chunk=CHUNK, max_context=MAX_CONTEXT, memory_budget="60%", prefetch_depth=0)
+    o = json.loads((out / "manifest.json").read_text())["offload"]
+    assert o["prefetch_depth"] == 0 and o["predicted_decode_s"] == pytest.approx(o["predicted_decode_no_prefetch_s"])
+    s = Session(out, provider="cpu")
+    assert s.residency.streaming.prefetch is False and s.residency.streaming.depth == 0
+    ref = Session(plain, provider="cpu").prefill(IDS, all_logits=True)
+    np.testing.assert_allclose(s.prefill(IDS, all_logits=True), ref, atol=1e-4 * np.abs(ref).max())
+
