@@ -57,7 +57,9 @@ TABLE_COLUMNS = {"cpu.int8_gemv_s": 3, "cpu.int8_gemv_1t_s": 3}
 
 
 class ProfileError(LlmcError):
-    pass
+    """A device profile is unknown, not measured yet, or malformed (a usage error of --profile/--soc)."""
+
+    exit_code = 2
 
 
 @dataclasses.dataclass(frozen=True)

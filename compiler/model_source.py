@@ -205,6 +205,10 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
         if p.suffix == ".gguf":
             if not p.is_file():
                 raise ModelLoadError(f"GGUF file {source} does not exist", hint="check the path")
+            with open(p, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise ModelLoadError(f"{source} is not a GGUF file: it does not start with the GGUF magic bytes",
+                                         hint="pass a .gguf file written by llama.cpp's converters, or a HuggingFace model directory")
             directory, kwargs["gguf_file"] = p.parent, p.name
             description = f"GGUF file {p}"
         elif p.is_dir():
@@ -265,7 +269,7 @@ def _load(source: str, directory: Path | str, kwargs: dict[str, Any], descriptio
             if not isinstance(e, (ValueError, KeyError, TypeError)) and type(e).__module__.split(".")[0] not in ("transformers", "huggingface_hub"):
                 raise
             raise ModelLoadError(f"cannot read the model config from {source}: {str(e).strip().splitlines()[-1][:300]}",
-                                 hint="fix config.json") from e
+                                 hint="check the GGUF file's metadata" if kwargs.get("gguf_file") else "fix config.json") from e
         check_config(config, source)
         streamed = _streamed(directory, config) if not kwargs.get("gguf_file") and isinstance(directory, Path) else None
         if streamed is not None:

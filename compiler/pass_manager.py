@@ -157,10 +157,13 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext, instruments
     for p in passes:
         for need in p.requires:
             if not ctx.has(need):
-                raise PassError(
+                raise PipelineError(
                     f"pass {p.name} needs {need.__name__}, which no earlier pass produced (ran: {', '.join(done) or 'none'})",
-                    hint="put the producing pass before it in --pipeline",
+                    hint="put the producing pass before it in --pipeline (`llmc passes` lists what each one needs)",
                 )
+        from llmc.analyses import ChunkPlan
+
+        cut = ctx.has(ChunkPlan)
         for ins in instruments:
             ins.before_pass(p, graph)
         t0 = time.perf_counter()
@@ -177,6 +180,9 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext, instruments
                 hint="rerun with --dump-ir DIR to see the IR before the failing pass",
             ) from e
         seconds = time.perf_counter() - t0
+        if cut and result.changed:  # the chunk plan names nodes and values of the IR as it was
+            raise PipelineError(f"pass {p.name} rewrote the IR after chunk_static_graphs cut it (ran: {', '.join(done)})",
+                                hint=f"put {p.name} before chunk_static_graphs in --pipeline")
         for kind in p.produces:
             if not ctx.has(kind):
                 raise PassError(f"pass {p.name} promised {kind.__name__} but did not produce it")

@@ -117,7 +117,8 @@ def test_errors_have_messages_and_exit_codes(bundles, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf")
     r = invoke("compile", bad, "-o", tmp_path / "o")
-    assert r.exit_code == 3 and "bad.gguf" in r.output
+    assert r.exit_code == 3 and "bad.gguf is not a GGUF file" in r.output and "hint:" in r.output, r.output
+    assert "whole model into memory" not in r.output
     assert not (tmp_path / "o").exists()
 
     long_prompt = " ".join(["cat"] * 100)
@@ -175,6 +176,8 @@ def test_options_are_checked_before_the_slow_stages(model_dirs, tmp_path):
         r = invoke("compile", m, "-o", tmp_path / "o", "--chunk", CHUNK, "--max-context", 32, *args)
         assert r.exit_code == 2 and message in r.output, (args, r.output)
         assert "[1/6] load" not in r.output and not (tmp_path / "o").exists(), (args, r.output)
+    r = invoke("plan", m, "--profile", "9gen9")
+    assert r.exit_code == 2 and "unknown device profile '9gen9'" in r.output, r.output
     r = invoke("profile-host", "-o", tmp_path / "file" / "host.json")
     assert r.exit_code == 2 and "cannot write" in r.output and "measuring" not in r.output, r.output
 

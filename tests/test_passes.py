@@ -104,8 +104,23 @@ def test_requires_are_checked():
 
     from llmc.ir import Graph
 
-    with pytest.raises(PassError, match="needs ChunkPlan"):
+    with pytest.raises(PipelineError, match="needs ChunkPlan") as e:
         run_pipeline(Graph(), [NeedsPlan()], PassContext(CompileOptions()))
+    assert e.value.exit_code == 2  # a usage error of --pipeline, not an internal one
+
+
+def test_rewriting_the_ir_after_the_cut_is_a_pipeline_error(model_dirs, tmp_path):
+    """A pass that changes the IR after chunk_static_graphs would leave a plan naming nodes that are gone
+    or out of order: `llmc compile --pipeline` names the pass and where it goes (exit 2), nothing written."""
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    out = tmp_path / "b"
+    r = CliRunner().invoke(cli, ["compile", str(model_dirs("llama")), "-o", str(out), "--chunk", "8", "--max-context", "32",
+                                 "--pipeline", "dce,chunk_static_graphs,select_logit_rows"])
+    assert r.exit_code == 2 and "pass select_logit_rows rewrote the IR after chunk_static_graphs cut it" in r.output, r.output
+    assert "hint: put select_logit_rows before chunk_static_graphs" in r.output and not out.exists()
 
 
 def test_failing_pass_names_itself_and_history(lifted):

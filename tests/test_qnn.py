@@ -94,6 +94,12 @@ def test_auto_and_explicit_providers(qnn_bundle, bundles):
     assert Session(bundles("llama"), provider="auto", lazy=True).provider == "cpu"
     with pytest.raises(ProviderError, match="no QNN artifacts"):
         Session(bundles("llama"), provider="qnn")
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    r = CliRunner().invoke(cli, ["run", str(bundles("llama")), "--provider", "qnn", "--prompt-ids", "5"])
+    assert r.exit_code == 8 and "no QNN artifacts" in r.output, r.output  # its own code: not "the bundle cannot be written" (7)
 
 
 def test_without_soc_qnn_part_is_skipped_and_said(model_dirs, tmp_path):

@@ -78,9 +78,9 @@ def test_pipeline_gains_calibration_and_the_pass():
 
 def test_pass_needs_calibration_of_the_attention_inputs(model_dirs, tmp_path):
     from llmc.compile import compile_model
-    from llmc.errors import CompileError, PassError
+    from llmc.errors import CompileError, PipelineError
 
-    with pytest.raises(PassError, match="quantize_kv_cache needs CalibrationStats"):
+    with pytest.raises(PipelineError, match="quantize_kv_cache needs CalibrationStats"):
         compile_model(str(model_dirs("llama")), tmp_path / "b", chunk=CHUNK, max_context=MAX_CONTEXT,
                       pipeline="dce,select_logit_rows,quantize_kv_cache,chunk_static_graphs")
     assert not (tmp_path / "b").exists()
