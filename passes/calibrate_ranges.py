@@ -6,7 +6,9 @@ graph as it will run, after ``quantize``. This pass runs the IR (with its
 fake-quant and shadow semantics) on the first ``min(--calib-tokens, 512)``
 calibration tokens and records ``[min, max]`` of every node output (embedding
 outputs get the exact bound over the whole table, RMSNorm outputs their
-analytic bound, so tokens the text never used cannot saturate them).
+analytic bound, ``QLinear`` outputs, and the column slices of merged ones, the
+bound of their clipped input times their weights, so tokens the text never used
+cannot saturate them).
 
 Produces :class:`llmc.analyses.ValueRanges`; the IR is unchanged.
 """
@@ -73,6 +75,10 @@ class CalibrateRanges(Pass):
                 if b is not None:
                     bound = bound + np.abs(b)
                 self._widen(lo, hi, node.outputs[0].name, -float(bound.max()), float(bound.max()))
+                for user, _ in node.outputs[0].uses:  # a merged projection's parts (fuse_sibling_linears): their own columns
+                    if user.op == "Slice":
+                        part = float(bound[user.attrs["start"] : user.attrs["end"]].max())
+                        self._widen(lo, hi, user.outputs[0].name, -part, part)
             elif node.op == "Mul" and all(v.name in lo for v in node.inputs):
                 a, b = (max(-lo[v.name], hi[v.name]) for v in node.inputs)
                 self._widen(lo, hi, node.outputs[0].name, -a * b, a * b)
