@@ -537,7 +537,7 @@ def _write(graph: Graph, sub: Subgraph, builders: list[_Builder], weights: dict[
         "weight_bytes": sum(weights[w]["nbytes"] for w in used),
         "instances": instances,
     }
-    for key, names in (("streamed", streamed), ("fed", fed)):
+    for key, names in (("streamed", streamed), ("fed", fed), ("scalar", builders[0].scalar_weights)):
         mine = [w for w in used if w in names]
         if mine:
             entry[key] = mine

@@ -392,9 +392,10 @@ class Session:
         # per session) and the decode program's shadow weights (ORT reads every initializer when it loads a graph)
         fed = g.get("fed", [])
         names = [n for n in g["weights"] if n not in streamed and n not in fed]
+        scalar = set(g.get("scalar", ()))  # one-element per-tensor quantization scales: scalars in the graph
         for n in names:
             if n not in self._ortvalues:
-                self._ortvalues[n] = ort.OrtValue.ortvalue_from_numpy(self._weights[n])
+                self._ortvalues[n] = ort.OrtValue.ortvalue_from_numpy(self._weights[n].reshape(()) if n in scalar else self._weights[n])
         if names:
             so.add_external_initializers(names, [self._ortvalues[n] for n in names])
         model_bytes = resolve_inside(self.bundle, inst["file"]).read_bytes()

@@ -221,27 +221,32 @@ def npu_bundles(tmp_path_factory, model_dirs, calib_file):
 
     root = tmp_path_factory.mktemp("npu")
     out = {}
-    for name, kw in {"shadow": {}, "noshadow": {"shadow": False}}.items():
+    for name, kw in {"shadow": {}, "noshadow": {"shadow": False}, "tensor": {"weight_granularity": "tensor"}}.items():
         out[name] = root / name
         compile_model(str(model_dirs("llama")), out[name], target="npu", chunk=CHUNK, max_context=MAX_CONTEXT,
                       calib_file=str(calib_file), calib_tokens=256, **kw)
     return out
 
 
-def test_npu_bundle_runs_integer_graphs_exactly(npu_bundles, model_dirs, calib_file):
+@pytest.mark.parametrize("granularity", ["channel", "tensor"])
+def test_npu_bundle_runs_integer_graphs_exactly(npu_bundles, model_dirs, calib_file, granularity):
     """ONNX Runtime's integer kernels give what the IR's fake-quant semantics say (the
-    AVX2 u8 x s8 saturation this guards against would show up here)."""
+    AVX2 u8 x s8 saturation this guards against would show up here), with per-channel weight
+    scales and with one per tensor (a scalar in the graphs), in prefill and in decode."""
     from llmc.interpreter import Interpreter
     from llmc.runtime import Session
 
-    g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_file))
+    g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_file), weight_granularity=granularity)
     _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
     ids = [int(t) for t in np.random.default_rng(3).integers(4, 120, size=2 * CHUNK + 3)]
     ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
-    s = Session(npu_bundles["shadow"])
+    s = Session(npu_bundles["shadow" if granularity == "channel" else "tensor"])
     s.reset()
     got = s.prefill(ids, all_logits=True)
     np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max())
+    s.reset()
+    s.prefill(ids[:-1])
+    np.testing.assert_allclose(s.decode(ids[-1]), ref[-1], atol=2e-3 * np.abs(ref).max())
 
 
 def test_npu_bundle_close_to_fp32(npu_bundles, bundles):
