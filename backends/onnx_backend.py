@@ -265,18 +265,24 @@ class _Builder:
         hi = self.const(f"{p}.hi", np.array(a["hi"], np.float32))
         self.add("Clip", [x, lo, hi], [f"{p}.clip"], f"{p}.clip")
         self.add("Sub", [x, f"{p}.clip"], [f"{p}.delta"], f"{p}.delta")
-        if self.rows == 1:  # the one row, flat: its outlier entries and their weight rows, [m] x [m, N]
-            flat = self.const(f"{p}.flat", np.array([-1], np.int64))
+        flat = self.const(f"{p}.flat", np.array([-1], np.int64))
+        if self.rows == 1:
+            # the one row, flat: its outlier entries and their weight rows, [m] x [m, N]; Compress by a bool
+            # mask is one kernel where NonZero + Reshape + Gather are three (decode: about 5% of its kernels)
             self.add("Reshape", [f"{p}.delta", flat], [f"{p}.any"], f"{p}.any")
-            delta, axis = f"{p}.any", 0
-        else:  # the channels where some row has an outlier, [rows, m] x [m, N]
+            self.add("Cast", [f"{p}.any"], [f"{p}.mask"], f"{p}.mask", to=9)  # bool: non-zero marks an outlier channel
+            self.add("Compress", [f"{p}.any", f"{p}.mask"], [f"{p}.d"], f"{p}.select_x", axis=0)
+            self.add("Compress", [self.weight(n.weights["weight_t"]), f"{p}.mask"], [f"{p}.w"], f"{p}.select_w", axis=0)
+        else:
+            # the channels where some row has an outlier, [rows, m] x [m, N]; Gather, since ONNX Runtime's
+            # Compress along the columns of a chunk was slower (SmolLM2 prefill 0.93x, same-process A/B)
             self.add("Abs", [f"{p}.delta"], [f"{p}.abs"], f"{p}.abs")
             axes = self.const(f"{p}.axes", np.array([0], np.int64))
             self.add("ReduceMax", [f"{p}.abs", axes], [f"{p}.any"], f"{p}.any", keepdims=0)
-            delta, axis = f"{p}.delta", 1
-        self.add("Cast", [f"{p}.any"], [f"{p}.mask"], f"{p}.mask", to=9)  # bool: non-zero marks an outlier channel
-        self.add("Compress", [delta, f"{p}.mask"], [f"{p}.d"], f"{p}.select_x", axis=axis)
-        self.add("Compress", [self.weight(n.weights["weight_t"]), f"{p}.mask"], [f"{p}.w"], f"{p}.select_w", axis=0)
+            self.add("NonZero", [f"{p}.any"], [f"{p}.nz"], f"{p}.nonzero")
+            self.add("Reshape", [f"{p}.nz", flat], [f"{p}.chans"], f"{p}.chans")
+            self.add("Gather", [f"{p}.delta", f"{p}.chans"], [f"{p}.d"], f"{p}.gather_x", axis=1)
+            self.add("Gather", [self.weight(n.weights["weight_t"]), f"{p}.chans"], [f"{p}.w"], f"{p}.gather_w", axis=0)
         self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr"], f"{p}.corr")
 
     def value_info(self, name: str):
