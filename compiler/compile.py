@@ -56,10 +56,8 @@ def check_early(options: CompileOptions, names: list[str], target: str, qnn_skip
     from llmc.units import parse_size
 
     explicit = set(explicit)
-    if options.memory_budget is not None and not str(options.memory_budget).strip().endswith("%"):
-        parse_size(options.memory_budget)
-    elif options.memory_budget is not None:
-        parse_size(options.memory_budget, total=1)
+    if options.memory_budget is not None:
+        parse_size(options.memory_budget, total=1)  # the syntax only: a percentage is of the weight bytes, known later
     if options.calib_file is not None and not Path(options.calib_file).is_file():
         raise CompileError(f"--calib {options.calib_file}: no such file", hint="pass a UTF-8 text file, or leave --calib out for the default text")
     if options.cache_dir is not None:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Mapping, TypeVar
 
+from llmc.analyses import ChunkPlan
 from llmc.errors import LlmcError, PassError, PipelineError
 from llmc.ir import Graph
 
@@ -161,8 +162,6 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext, instruments
                     f"pass {p.name} needs {need.__name__}, which no earlier pass produced (ran: {', '.join(done) or 'none'})",
                     hint="put the producing pass before it in --pipeline (`llmc passes` lists what each one needs)",
                 )
-        from llmc.analyses import ChunkPlan
-
         cut = ctx.has(ChunkPlan)
         for ins in instruments:
             ins.before_pass(p, graph)
