@@ -14,7 +14,9 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -59,7 +61,7 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _sweep_partials(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".partial", dir=out.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{_HOST}-{os.getpid()}.", suffix=".partial", dir=out.parent))
     except OSError as e:
         raise _output_error(out, e) from e
     try:
@@ -85,15 +87,21 @@ def atomic_directory(out: str | Path) -> Iterator[Path]:
         raise
 
 
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname().split(".")[0]) or "host"
+
+
 def _sweep_partials(out: Path) -> None:
-    """Remove what compiles of ``out`` that were killed outright (SIGKILL, power loss) left behind: the
-    ``.NAME.PID.*.partial`` directories whose process no longer runs."""
+    """Remove what compiles of ``out`` on this host that were killed outright (SIGKILL, power loss) left
+    behind: the ``.NAME.HOST-PID.XXXXXXXX.partial`` directories whose process no longer runs. Another
+    output's partial directories (``.NAME.9...`` of ``NAME.9``), other hosts' (a shared disk) and live
+    processes' stay."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.{re.escape(_HOST)}-(\d+)\.[A-Za-z0-9_]+\.partial")
     for p in out.parent.glob(f".{glob.escape(out.name)}.*.partial"):
-        pid = p.name[len(out.name) + 2 :].split(".", 1)[0]
-        if not pid.isdigit():
+        m = pattern.fullmatch(p.name)
+        if m is None or not p.is_dir():
             continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(int(m.group(1)), 0)
         except ProcessLookupError:
             log.info("removing %s, left by a compile that was killed", p)
             shutil.rmtree(p, ignore_errors=True)

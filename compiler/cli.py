@@ -35,6 +35,9 @@ def _guard(fn):
             return fn(*args, **kwargs)
         except (LlmcError, LlmcRuntimeError) as e:
             _fail(e)
+        except KeyboardInterrupt:  # a compile has removed its partial output by now
+            click.echo("interrupted", err=True)
+            sys.exit(130)
 
     return wrapper
 
@@ -211,7 +214,8 @@ def plan(model, profile, prompt_len, target, weights, kv_cache, chunk, memory_bu
         rows = f" incl. {o['resident_shadow_rows']} shadow rows" if o["resident_shadow_rows"] else ""
         click.echo(f"offload    budget {format_size(o['budget_bytes'])}: resident {format_size(o['resident_bytes'])}{rows}, streamed "
                    f"{format_size(o['streamed_bytes_per_token'])}/token, ring {format_size(o['buffer_bytes'])} (depth {o['prefetch_depth']}); "
-                   f"decode {o['decode_tok_s_prefetch']:.1f} tok/s with prefetch, {o['decode_tok_s_no_prefetch']:.1f} without")
+                   + (f"decode {o['decode_tok_s_prefetch']:.1f} tok/s with prefetch, {o['decode_tok_s_no_prefetch']:.1f} without"
+                      if o["prefetch_depth"] > 0 else f"decode {o['decode_tok_s_no_prefetch']:.1f} tok/s (no prefetch)"))
 
 
 @cli.command("profile-host")
@@ -612,7 +616,8 @@ def main() -> None:
     import signal
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _terminate)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup ignores SIGHUP: keep it so
+            signal.signal(sig, _terminate)
     cli(prog_name="llmc")
 
 

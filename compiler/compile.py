@@ -47,9 +47,10 @@ _READ_BY = {
     "calib_file": ("calibrate", "--calib"),
     "calib_tokens": ("calibrate", "--calib-tokens"),
 }
+_ALSO_READ_BY = {"calibrate": ("calibrate_ranges",)}  # passes that read the same options
 
 
-def check_early(options: CompileOptions, names: list[str], target: str, qnn_skip: str | None, explicit: Iterable[str]) -> None:
+def check_early(options: CompileOptions, names: list[str], target: str, soc: str | None, explicit: Iterable[str]) -> None:
     """Option errors that would otherwise surface after loading, tracing and calibrating: an unreadable
     --memory-budget, a missing --calib file, a cache directory that cannot be made, and options that
     nothing in this compile reads (``explicit``: the ones the user set)."""
@@ -60,17 +61,11 @@ def check_early(options: CompileOptions, names: list[str], target: str, qnn_skip
         parse_size(options.memory_budget, total=1)  # the syntax only: a percentage is of the weight bytes, known later
     if options.calib_file is not None and not Path(options.calib_file).is_file():
         raise CompileError(f"--calib {options.calib_file}: no such file", hint="pass a UTF-8 text file, or leave --calib out for the default text")
-    if options.cache_dir is not None:
-        try:
-            Path(options.cache_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CompileError(f"cannot use the cache directory {options.cache_dir}: {e.strerror or e}",
-                               hint="pass --cache-dir DIR (or set LLMC_CACHE_DIR) to a writable directory, or --no-cache") from e
     for key, (reader, flag) in _READ_BY.items():
-        if key in explicit and reader not in names:
+        if key in explicit and not {reader, *_ALSO_READ_BY.get(reader, ())} & set(names):
             raise CompileError(f"{flag} has no effect here: the pipeline has no {reader} pass",
                                hint="it applies to --target npu" + (" and --kv-cache int8" if reader == "calibrate" else ""))
-    if explicit & {"qnn_shard_mb", "qnn_shard_graphs"} and (target != "npu" or qnn_skip):
+    if explicit & {"qnn_shard_mb", "qnn_shard_graphs"} and (target != "npu" or soc is None):
         raise CompileError("--qnn-shard-mb and --qnn-shard-graphs apply to the QNN context binaries: --target npu --soc SOC")
     if explicit & {"mlir_dialect", "repro_dir"} and target != "mlir":
         raise CompileError("--mlir-dialect and --repro-dir apply to --target mlir")
@@ -202,13 +197,23 @@ def compile_model(
     if qnn_skip:
         log.warning("QNN context binaries skipped: %s; the bundle has the ONNX graphs only", qnn_skip)
     quant_options["profile"] = resolve_profile(quant_options.get("profile"), soc)
+    cache = quant_options.get("cache_dir")
+    if cache is not None and ("calibrate" in names or str(source) in model_source.BUNDLED or str(source).endswith(".gguf")):
+        try:  # calibration results and dequantized GGUF models go there
+            Path(cache).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            if "cache_dir" in explicit:
+                raise CompileError(f"cannot use the cache directory {cache}: {e.strerror or e}",
+                                   hint="pass --cache-dir a writable directory, or --no-cache") from e
+            log.warning("cannot use the cache directory %s (%s); compiling without a cache", cache, e.strerror or e)
+            quant_options["cache_dir"] = None
     try:
         options = CompileOptions(target=target, chunk=chunk, max_context=max_context, **quant_options)
     except TypeError as e:
         raise CompileError(f"unknown compile option: {e}") from None
     if "quantize_int4" in names:
         check_options(options)  # before loading the model
-    check_early(options, names, target, qnn_skip, explicit)
+    check_early(options, names, target, soc, explicit)
     seconds: dict[str, float] = {}
     notify = progress or (lambda stage: None)
 

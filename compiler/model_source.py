@@ -159,9 +159,13 @@ def check_config(config: Any, source: str) -> None:
         )
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    kv_heads = heads if kv_heads is None else kv_heads
     if isinstance(layers, int) and layers < 1:
         raise UnsupportedModelError(f"{source}: the config has num_hidden_layers {layers}; a decoder needs at least one layer", hint="fix config.json")
+    for key, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if isinstance(n, int) and n < 1:
+            raise UnsupportedModelError(f"{source}: the config has {key} {n}; attention needs at least one head", hint="fix config.json")
     if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
         raise UnsupportedModelError(f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}",
                                     hint="fix config.json: each key/value head serves the same number of query heads")
@@ -266,10 +270,12 @@ def _load(source: str, directory: Path | str, kwargs: dict[str, Any], descriptio
                 ) from e
             raise ModelLoadError(f"cannot read the model config from {source}: {e}", hint="check that the files are complete") from e
         except Exception as e:  # transformers validates configs with its own exception types (huggingface_hub's)
-            if not isinstance(e, (ValueError, KeyError, TypeError)) and type(e).__module__.split(".")[0] not in ("transformers", "huggingface_hub"):
+            ours = isinstance(e, (ValueError, KeyError, TypeError, ZeroDivisionError)) or type(e).__module__.split(".")[0] in ("transformers", "huggingface_hub")
+            if not ours and not kwargs.get("gguf_file"):  # any failure to parse a GGUF file (struct.error when truncated) is the file's
                 raise
-            raise ModelLoadError(f"cannot read the model config from {source}: {str(e).strip().splitlines()[-1][:300]}",
-                                 hint="check the GGUF file's metadata" if kwargs.get("gguf_file") else "fix config.json") from e
+            why = "a size or head count in it is zero" if isinstance(e, ZeroDivisionError) else str(e).strip().splitlines()[-1][:300]
+            raise ModelLoadError(f"cannot read the model config from {source}: {why}",
+                                 hint="the GGUF file may be truncated or corrupt: copy or convert it again" if kwargs.get("gguf_file") else "fix config.json") from e
         check_config(config, source)
         streamed = _streamed(directory, config) if not kwargs.get("gguf_file") and isinstance(directory, Path) else None
         if streamed is not None:

@@ -207,7 +207,7 @@ class PlanOffload(Pass):
             floor = min(attempt(0.0, 0, whole)[4] for whole in options)
             raise CompileError(f"--memory-budget {opts.memory_budget} ({format_size(budget)}) is below the minimum of {format_size(floor)} "
                                f"for this model (always-resident small weights {format_size(fixed)} plus the prefetch ring)",
-                               hint=f"raise the budget to at least {format_size(floor)}, or lower --prefetch-depth")
+                               hint=f"raise the budget to at least {format_size(floor)}" + (", or lower --prefetch-depth" if depth > 0 else ""))
         predicted, predicted_no_prefetch, k, (share, resident, streamed, ring, used), rows = chosen
         kept: dict[str, list[int]] = {}
         for _, _, table, row in candidates[:k]:

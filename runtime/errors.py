@@ -32,4 +32,4 @@ class TokenIdError(LlmcRuntimeError):
 class ProviderError(LlmcRuntimeError):
     """The requested execution provider is not available for this bundle."""
 
-    exit_code = 8
+    exit_code = 10

@@ -74,6 +74,9 @@ def _check_layout(bundle: Path, m: dict[str, Any]) -> None:
     for key, kind in (("program", list), ("graphs", dict), ("weights", dict), ("io", dict), ("model", dict)):
         if not isinstance(m.get(key), kind):
             raise bad(f"has no {key} {kind.__name__}")
+    vocab = m["model"].get("vocab_size")
+    if vocab is not None and (not isinstance(vocab, int) or vocab < 1):
+        raise bad(f"says vocab_size {vocab!r}")
     chunk, ctx = m.get("chunk"), m.get("max_context")
     if not isinstance(chunk, int) or not isinstance(ctx, int) or not 1 <= chunk <= ctx:
         raise bad(f"says chunk {chunk!r} and max_context {ctx!r}; they must be whole numbers with 1 <= chunk <= max_context")
@@ -96,41 +99,45 @@ def load_manifest(bundle: str | Path, verify: bool = True) -> dict[str, Any]:
             f"{bundle}: manifest schema version {version!r}, this runtime reads version {SCHEMA_VERSION}",
             hint="recompile the bundle with this version of llmc, or run it with the llmc that built it",
         )
-    digest = manifest.get("manifest_sha256")  # bundles compiled before the digest existed have none
-    if digest is not None and digest != manifest_digest(manifest):
-        raise BundleError(f"{mpath} was changed after the bundle was compiled (it does not match its manifest_sha256)",
-                          hint="refusing to run it; recompile the bundle or restore the original manifest.json")
-    _check_layout(bundle, manifest)
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        raise BundleError(f"{bundle}: the manifest lists no files", hint="the bundle is corrupt; recompile it")
-    for rel, meta in sorted(files.items()):
-        p = resolve_inside(bundle, rel)
-        if not p.is_file():
-            raise BundleError(f"{bundle}: {rel} is missing", hint="copy the whole bundle directory, or recompile it")
-        if p.stat().st_size != meta.get("bytes"):
-            raise BundleError(f"{bundle}: {rel} has {p.stat().st_size} bytes, the manifest says {meta.get('bytes')}",
-                              hint="the file was truncated or modified; recompile the bundle")
-        if verify and sha256_file(p) != meta.get("sha256"):
-            raise BundleError(f"{bundle}: {rel} does not match its SHA-256 in the manifest (tampered or corrupt)",
-                              hint="refusing to run it; recompile the bundle or restore the original file")
-    # Every path the runtime will open must be one of the checked files.
-    referenced = [w["file"] for w in manifest.get("weights", {}).values()]
-    for g in manifest.get("graphs", {}).values():
-        referenced += [inst["file"] for inst in g["instances"].values()]
-    for g in (manifest.get("mlir") or {}).values():
-        referenced += [inst["file"] for inst in g.values()]
-    for g in ((manifest.get("qnn") or {}).get("graphs") or {}).values():
-        for inst in g.values():
-            referenced += [inst[k] for k in ("qdq", "context", "binary") if k in inst]
-    if "offload" not in manifest and any(g.get("streamed") for g in manifest.get("graphs", {}).values()):
-        raise BundleError(f"{bundle}: graphs take streamed weights as inputs, but the manifest has no offload section",
-                          hint="the manifest was edited or truncated; recompile the bundle")
-    tok = manifest.get("tokenizer") or {}
-    if tok.get("file"):
-        referenced.append(tok["file"])
-    for rel in referenced:
-        resolve_inside(bundle, rel)
-        if rel not in files:
-            raise BundleError(f"{bundle}: {rel} is used but not covered by the manifest's hashes", hint="the bundle is corrupt; recompile it")
+    try:
+        digest = manifest.get("manifest_sha256")  # bundles compiled before the digest existed have none
+        if digest is not None and digest != manifest_digest(manifest):
+            raise BundleError(f"{mpath} was changed after the bundle was compiled (it does not match its manifest_sha256)",
+                              hint="refusing to run it; recompile the bundle or restore the original manifest.json")
+        _check_layout(bundle, manifest)
+        files = manifest.get("files")
+        if not isinstance(files, dict) or not files:
+            raise BundleError(f"{bundle}: the manifest lists no files", hint="the bundle is corrupt; recompile it")
+        for rel, meta in sorted(files.items()):
+            p = resolve_inside(bundle, rel)
+            if not p.is_file():
+                raise BundleError(f"{bundle}: {rel} is missing", hint="copy the whole bundle directory, or recompile it")
+            if p.stat().st_size != meta.get("bytes"):
+                raise BundleError(f"{bundle}: {rel} has {p.stat().st_size} bytes, the manifest says {meta.get('bytes')}",
+                                  hint="the file was truncated or modified; recompile the bundle")
+            if verify and sha256_file(p) != meta.get("sha256"):
+                raise BundleError(f"{bundle}: {rel} does not match its SHA-256 in the manifest (tampered or corrupt)",
+                                  hint="refusing to run it; recompile the bundle or restore the original file")
+        # Every path the runtime will open must be one of the checked files.
+        referenced = [w["file"] for w in manifest.get("weights", {}).values()]
+        for g in manifest.get("graphs", {}).values():
+            referenced += [inst["file"] for inst in g["instances"].values()]
+        for g in (manifest.get("mlir") or {}).values():
+            referenced += [inst["file"] for inst in g.values()]
+        for g in ((manifest.get("qnn") or {}).get("graphs") or {}).values():
+            for inst in g.values():
+                referenced += [inst[k] for k in ("qdq", "context", "binary") if k in inst]
+        if "offload" not in manifest and any(g.get("streamed") for g in manifest.get("graphs", {}).values()):
+            raise BundleError(f"{bundle}: graphs take streamed weights as inputs, but the manifest has no offload section",
+                              hint="the manifest was edited or truncated; recompile the bundle")
+        tok = manifest.get("tokenizer") or {}
+        if tok.get("file"):
+            referenced.append(tok["file"])
+        for rel in referenced:
+            resolve_inside(bundle, rel)
+            if rel not in files:
+                raise BundleError(f"{bundle}: {rel} is used but not covered by the manifest's hashes", hint="the bundle is corrupt; recompile it")
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a manifest of the right version, wrongly shaped
+        raise BundleError(f"{mpath} does not describe a bundle ({type(e).__name__}: {e})",
+                          hint="the manifest was edited or is corrupt; recompile the bundle") from e
     return manifest

@@ -106,6 +106,18 @@ def test_edited_manifest_refused(bundles, tmp_path):
         "bad-decode-graph": (lambda mm, out: mm.update(decode_graph="nope"), "does not describe a bundle"),
         "garbage-graph": (garbage_graph, "ONNX Runtime cannot load graphs/decode_model.r1.onnx"),
     }
+    def unsealed(mm, out):  # as a manifest of a bundle compiled before the digest, edited
+        mm.pop("manifest_sha256")
+        mm["graphs"][mm["decode_graph"]].pop("instances")
+
+    out = tmp_path / "unsealed"
+    shutil.copytree(d, out)
+    mm = json.loads(json.dumps(m))
+    unsealed(mm, out)
+    (out / "manifest.json").write_text(json.dumps(mm))
+    for args in (["run", str(out), "--prompt-ids", "5,6"], ["inspect", str(out)]):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 5 and "does not describe a bundle" in r.output and "hint:" in r.output, (args[0], r.output)
     for name, (edit, message) in cases.items():
         out = resealed(edit, name)
         with pytest.raises(BundleError, match=message):
@@ -221,9 +233,9 @@ def test_os_errors_around_the_bundle_are_output_errors(tmp_path, monkeypatch):
 
 
 def test_killed_compiles_leave_nothing(model_dirs, tmp_path):
-    """SIGTERM (a cancelled CI job, `timeout`) unwinds like Ctrl-C: exit 143 and no partial bundle. What a
-    compile killed outright (SIGKILL) left behind, the next compile of that output removes; a running
-    compile's partial output is left alone."""
+    """SIGTERM (a cancelled CI job, `timeout`) unwinds like Ctrl-C: exit 143 (Ctrl-C 130) and no partial
+    bundle; under nohup SIGHUP stays ignored. What a compile killed outright (SIGKILL) left behind, the
+    next compile of that output on this host removes; running compiles' and other outputs' stay."""
     import os
     import signal
     import subprocess
@@ -236,24 +248,43 @@ def test_killed_compiles_leave_nothing(model_dirs, tmp_path):
     code = ("import sys, time; from llmc.backends import onnx_backend; real = onnx_backend.write_weights\n"
             "def slow(*a, **k):\n    r = real(*a, **k); time.sleep(60); return r\n"
             "onnx_backend.write_weights = slow; from llmc.cli import main; sys.argv = sys.argv[:1] + sys.argv[1:]; main()")
-    p = subprocess.Popen([sys.executable, "-c", code, "compile", str(model_dirs("llama")), "-o", str(out), "--chunk", str(CHUNK),
-                          "--max-context", str(MAX_CONTEXT), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not list(tmp_path.glob(".b.*.partial/weights/weights.bin")) and time.time() < deadline and p.poll() is None:
-        time.sleep(0.2)
-    assert list(tmp_path.glob(".b.*.partial")), p.communicate()
+
+    def start(nohup=False):
+        ignore_hup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
+        p = subprocess.Popen([sys.executable, "-c", code, "compile", str(model_dirs("llama")), "-o", str(out), "--chunk", str(CHUNK),
+                              "--max-context", str(MAX_CONTEXT), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ignore_hup)
+        deadline = time.time() + 120
+        while not list(tmp_path.glob(".b.*.partial/weights/weights.bin")) and time.time() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        assert list(tmp_path.glob(".b.*.partial")), p.communicate()
+        return p
+
+    for sig, code_ in ((signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130)):
+        p = start()
+        p.send_signal(sig)
+        assert p.wait(60) == code_, (sig, p.communicate())
+        assert list(tmp_path.iterdir()) == []
+    p = start(nohup=True)  # nohup: a closed terminal does not stop the compile
+    p.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert p.poll() is None
     p.send_signal(signal.SIGTERM)
     assert p.wait(60) == 128 + signal.SIGTERM
     assert list(tmp_path.iterdir()) == []
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    (tmp_path / f".b.{dead.pid}.x1.partial" / "weights").mkdir(parents=True)  # a killed compile's leftovers
-    (tmp_path / f".b.{os.getpid()}.x2.partial").mkdir()  # a compile that is running (this process)
-    (tmp_path / ".bb.1.x3.partial").mkdir()  # another output's
+    host = bundle._HOST
+    (tmp_path / f".b.{host}-{dead.pid}.x1.partial" / "weights").mkdir(parents=True)  # a killed compile's leftovers
+    kept = [f".b.{host}-{os.getpid()}.x2.partial",  # a compile that is running (this process)
+            f".bb.{host}-{dead.pid}.x3.partial",  # another output's (bb)
+            f".b.9.{host}-{dead.pid}.x4.partial",  # another output's (b.9), whose name starts like b's
+            f".b.otherhost-{dead.pid}.x5.partial"]  # another host's, on a shared disk: its pid means nothing here
+    for name in kept:
+        (tmp_path / name).mkdir()
     with bundle.atomic_directory(out) as root:
         (root / "x").write_text("x")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["b", f".b.{os.getpid()}.x2.partial", ".bb.1.x3.partial"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["b", *kept])
 
 
 def test_refuses_to_replace_foreign_directory(model_dirs, tmp_path):

@@ -142,7 +142,9 @@ def test_bad_configs_are_named_errors(tmp_path):
     base = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **COMMON}
     cases = {"hidden": ({"hidden_size": 66}, 3, "not a multiple of the number of attention heads"),
              "kv-heads": ({"num_key_value_heads": 3}, 4, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
-             "no-layers": ({"num_hidden_layers": 0}, 4, "needs at least one layer")}
+             "no-layers": ({"num_hidden_layers": 0}, 4, "needs at least one layer"),
+             "no-heads": ({"num_attention_heads": 0}, 3, "a size or head count in it is zero"),  # transformers divides by it
+             "no-kv-heads": ({"num_key_value_heads": 0}, 4, "num_key_value_heads 0; attention needs at least one head")}
     for name, (edit, code, message) in cases.items():
         d = tmp_path / name
         d.mkdir()
@@ -153,9 +155,19 @@ def test_bad_configs_are_named_errors(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     r = invoke("plan", tmp_path / "list.json")
     assert r.exit_code == 3 and "a JSON list, not an object" in r.output, r.output
+    from conftest import smollm2_available
+
+    if smollm2_available():  # a GGUF file cut short: its magic bytes are right, its metadata is not all there
+        from llmc.model_source import bundled_model_path
+
+        head = bundled_model_path("smollm2-135m").open("rb").read(4096)
+        (tmp_path / "cut.gguf").write_bytes(head)
+        for args in (("compile", tmp_path / "cut.gguf", "-o", tmp_path / "out-cut", "--no-cache"), ("plan", tmp_path / "cut.gguf")):
+            r = invoke(*args)
+            assert r.exit_code == 3 and "truncated or corrupt" in r.output, (args[0], r.output)
 
 
-def test_options_are_checked_before_the_slow_stages(model_dirs, tmp_path):
+def test_options_are_checked_before_the_slow_stages(model_dirs, tmp_path, caplog):
     """Options nothing in the compile reads, an unreadable --memory-budget, a missing --calib file and
     directories that cannot be made are refused before loading the model (usage errors, nothing written)."""
     m = model_dirs("llama")
@@ -176,6 +188,26 @@ def test_options_are_checked_before_the_slow_stages(model_dirs, tmp_path):
         r = invoke("compile", m, "-o", tmp_path / "o", "--chunk", CHUNK, "--max-context", 32, *args)
         assert r.exit_code == 2 and message in r.output, (args, r.output)
         assert "[1/6] load" not in r.output and not (tmp_path / "o").exists(), (args, r.output)
+    # accepted: the cache by $LLMC_CACHE_DIR unusable (a warning, then no cache), --calib read by calibrate_ranges
+    # alone, --qnn-shard-mb with --soc when the QNN part is skipped
+    r = CliRunner().invoke(cli, ["compile", str(m), "-o", str(tmp_path / "ok1"), "--chunk", str(CHUNK), "--max-context", "32", "--target", "npu",
+                                 "--calib-tokens", "64", "--quiet"], env={"LLMC_CACHE_DIR": str(tmp_path / "file" / "cache")})
+    assert r.exit_code == 0 and "compiling without a cache" in caplog.text, r.output
+    words = tmp_path / "words.txt"
+    words.write_text("the cat sat on the mat " * 40)
+    r = invoke("compile", m, "-o", tmp_path / "ok2", "--chunk", CHUNK, "--max-context", 32, "--calib", words, "--quiet",
+               "--pipeline", "dce,select_logit_rows,calibrate_ranges,chunk_static_graphs")
+    assert r.exit_code == 0, r.output
+    import llmc.runtime.qnn as qnn
+
+    real = qnn.qnn_available
+    qnn.qnn_available = lambda: "onnxruntime-qnn is not installed"
+    try:
+        r = invoke("compile", m, "-o", tmp_path / "ok3", "--chunk", CHUNK, "--max-context", 32, "--target", "npu", "--soc", "8gen3",
+                   "--qnn-shard-mb", 64, "--calib", words, "--calib-tokens", 64, "--quiet")
+    finally:
+        qnn.qnn_available = real
+    assert r.exit_code == 0 and "QNN part skipped: onnxruntime-qnn is not installed" in r.output, r.output
     r = invoke("plan", m, "--profile", "9gen9")
     assert r.exit_code == 2 and "unknown device profile '9gen9'" in r.output, r.output
     r = invoke("profile-host", "-o", tmp_path / "file" / "host.json")

@@ -99,7 +99,7 @@ def test_auto_and_explicit_providers(qnn_bundle, bundles):
     from llmc.cli import cli
 
     r = CliRunner().invoke(cli, ["run", str(bundles("llama")), "--provider", "qnn", "--prompt-ids", "5"])
-    assert r.exit_code == 8 and "no QNN artifacts" in r.output, r.output  # its own code: not "the bundle cannot be written" (7)
+    assert r.exit_code == 10 and "no QNN artifacts" in r.output, r.output  # its own code: not "the bundle cannot be written" (7)
 
 
 def test_without_soc_qnn_part_is_skipped_and_said(model_dirs, tmp_path):
