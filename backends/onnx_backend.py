@@ -52,6 +52,7 @@ from llmc import __version__
 from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, Subgraph
 from llmc.errors import UnsupportedModelError
 from llmc.ir import Graph, Node, Value, WeightRef
+from llmc.ops import sliced_whole
 from llmc.runtime.ort_attention import node_rotates
 
 log = logging.getLogger(__name__)
@@ -195,10 +196,7 @@ class _Builder:
         elif n.op == "Slice" and self.corrected_whole(n):
             pass  # the correction reads the projection whole (see shadow_outliers)
         elif n.op == "Slice":
-            s = self.const(f"{n.name}.starts", np.array([a["start"]], np.int64))
-            e = self.const(f"{n.name}.ends", np.array([a["end"]], np.int64))
-            ax = self.const(f"{n.name}.axes", np.array([1], np.int64))
-            self.add("Slice", x + [s, e, ax], y, n.name)
+            self.slice(x[0], a["start"], a["end"], y[0], n.name)
         elif n.op == "ShadowOutliers":
             self.shadow_outliers(n, x, y)
         else:
@@ -220,11 +218,24 @@ class _Builder:
         """Whether no op of this graph reads ``v`` (the decode graph: q/k/v that attention takes packed)."""
         return False
 
+    def slice(self, x: str, start: int, end: int, out: str, name: str) -> None:
+        """``out = x[:, start:end]``."""
+        s = self.const(f"{name}.starts", np.array([start], np.int64))
+        e = self.const(f"{name}.ends", np.array([end], np.int64))
+        ax = self.const(f"{name}.axes", np.array([1], np.int64))
+        self.add("Slice", [x, s, e, ax], [out], name)
+
+    def whole_source(self, shadow: Node) -> Value | None:
+        """The projection ``shadow`` corrects whole (:func:`~llmc.ops.sliced_whole`) when it and the slices
+        are in this graph, else None."""
+        src = sliced_whole(shadow)
+        inside = {shadow.name, *(v.producer.name for v in shadow.inputs[1:])} <= self.members if src is not None else False
+        return src if inside else None
+
     def corrected_whole(self, n: Node) -> bool:
         """Whether Slice ``n`` is read only by a correction of this graph that reads its source whole."""
         users = [u for u, _ in n.outputs[0].uses]
-        return (len(users) == 1 and users[0].op == "ShadowOutliers" and {n.name, users[0].name} <= self.members
-                and sliced_whole(users[0]) is not None)
+        return len(users) == 1 and users[0].op == "ShadowOutliers" and self.whole_source(users[0]) is not None
 
     def shadow_outliers(self, n: Node, x: list[str], y: list[str]) -> None:
         """``y_i = ys_i + (x - clip(x)) @ W_i^T`` over the channels where some row of x is
@@ -234,20 +245,17 @@ class _Builder:
         (q/k/v merged by ``fuse_sibling_linears``), the correction adds to it whole and the
         results are sliced after: one add instead of a split and one per part."""
         a, p = n.attrs, n.name
-        src = sliced_whole(n)
+        src = self.whole_source(n)
         self.shadow_correction(n, x[0])
         # Sum, not Add: ONNX Runtime would fuse MatMul + Add into a float Gemm before its
         # QDQ fusion runs, and dequantize the NPU matmul's weights on every call.
-        if src is not None and {v.producer.name for v in n.inputs[1:]} <= self.members:
+        if src is not None:
             whole = whole_name(n)
             self.add("Sum", [src.name, f"{p}.corr"], [whole], f"{p}.add")
             start = 0
             for v, width in zip(n.outputs, a["splits"]):
                 if not self.drops(v):
-                    st = self.const(f"{v.name}.starts", np.array([start], np.int64))
-                    en = self.const(f"{v.name}.ends", np.array([start + width], np.int64))
-                    ax = self.const(f"{v.name}.axes", np.array([1], np.int64))
-                    self.add("Slice", [whole, st, en, ax], [v.name], f"{v.name}.slice")
+                    self.slice(whole, start, start + width, v.name, f"{v.name}.slice")
                 start += width
             return
         parts = [f"{p}.corr"]
@@ -331,21 +339,6 @@ def _kv_names(layer: int) -> dict[str, str]:
     """The decode graph's cache inputs and outputs of ``layer`` (bound to the same memory by the runtime)."""
     return {"past_key": f"past_key.{layer}", "past_value": f"past_value.{layer}", "present_key": f"present_key.{layer}",
             "present_value": f"present_value.{layer}"}
-
-
-def sliced_whole(shadow: Node) -> Value | None:
-    """The projection whose consecutive column slices, all of it, are the results ``shadow`` (a
-    ``ShadowOutliers``) corrects, each slice read by it alone; or None."""
-    slices = [v.producer for v in shadow.inputs[1:]]
-    if len(slices) < 2 or any(p is None or p.op != "Slice" or len(p.outputs[0].uses) != 1 for p in slices):
-        return None
-    src = slices[0].inputs[0]
-    ends = np.cumsum(shadow.attrs["splits"]).tolist()
-    if any(p.inputs[0] is not src for p in slices) or ends[-1] != src.shape[-1]:
-        return None
-    if [(p.attrs["start"], p.attrs["end"]) for p in slices] != list(zip([0, *ends[:-1]], ends)):
-        return None
-    return src
 
 
 def whole_name(shadow: Node) -> str:

@@ -361,15 +361,13 @@ def _kv_cache_summary(m: dict) -> dict:
 def inspect(bundle, as_json, no_verify):
     """Summarise a compiled BUNDLE: graphs, shapes, sizes, schedule."""
     from llmc.runtime import load_manifest
+    from llmc.runtime.manifest import SHAPE_ERRORS, shape_error
 
     m = load_manifest(bundle, verify=not no_verify)
     try:
         _inspect(bundle, m, as_json)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-        from llmc.runtime import BundleError
-
-        raise BundleError(f"{bundle}: manifest.json does not describe a bundle this llmc can read ({type(e).__name__}: {e})",
-                          hint="the manifest was edited or made by another llmc; recompile the bundle") from e
+    except SHAPE_ERRORS as e:
+        raise shape_error(bundle, e) from e
 
 
 def _inspect(bundle: str, m: dict, as_json: bool) -> None:

@@ -36,18 +36,18 @@ class CompileSummary:
     decode_graph: bool = False  # the bundle also has the one-graph decode (fuse_decode_graph)
 
 
-# Compile options and what reads them: a pass of the pipeline, or a target or setting.
+# Compile options that passes read: the option, its flag, the passes that read it.
+_CALIBRATION = ("calibrate", "calibrate_ranges")
 _READ_BY = {
-    "shadow": ("extract_shadow_outliers", "--no-shadow"),
-    "clip_percentile": ("extract_shadow_outliers", "--clip-percentile"),
-    "shadow_keep": ("extract_shadow_outliers", "--shadow-keep"),
-    "pruned_percentile": ("extract_shadow_outliers", "--pruned-percentile"),
-    "hot_budget": ("extract_shadow_outliers", "--hot-budget"),
-    "weight_granularity": ("quantize", "--weight-granularity"),
-    "calib_file": ("calibrate", "--calib"),
-    "calib_tokens": ("calibrate", "--calib-tokens"),
+    "shadow": ("--no-shadow", ("extract_shadow_outliers",)),
+    "clip_percentile": ("--clip-percentile", ("extract_shadow_outliers",)),
+    "shadow_keep": ("--shadow-keep", ("extract_shadow_outliers",)),
+    "pruned_percentile": ("--pruned-percentile", ("extract_shadow_outliers",)),
+    "hot_budget": ("--hot-budget", ("extract_shadow_outliers",)),
+    "weight_granularity": ("--weight-granularity", ("quantize",)),
+    "calib_file": ("--calib", _CALIBRATION),
+    "calib_tokens": ("--calib-tokens", _CALIBRATION),
 }
-_ALSO_READ_BY = {"calibrate": ("calibrate_ranges",)}  # passes that read the same options
 
 
 def check_early(options: CompileOptions, names: list[str], target: str, soc: str | None, explicit: Iterable[str]) -> None:
@@ -61,10 +61,10 @@ def check_early(options: CompileOptions, names: list[str], target: str, soc: str
         parse_size(options.memory_budget, total=1)  # the syntax only: a percentage is of the weight bytes, known later
     if options.calib_file is not None and not Path(options.calib_file).is_file():
         raise CompileError(f"--calib {options.calib_file}: no such file", hint="pass a UTF-8 text file, or leave --calib out for the default text")
-    for key, (reader, flag) in _READ_BY.items():
-        if key in explicit and not {reader, *_ALSO_READ_BY.get(reader, ())} & set(names):
-            raise CompileError(f"{flag} has no effect here: the pipeline has no {reader} pass",
-                               hint="it applies to --target npu" + (" and --kv-cache int8" if reader == "calibrate" else ""))
+    for key, (flag, readers) in _READ_BY.items():
+        if key in explicit and not set(readers) & set(names):
+            raise CompileError(f"{flag} has no effect here: the pipeline has no {readers[0]} pass",
+                               hint="it applies to --target npu" + (" and --kv-cache int8" if readers is _CALIBRATION else ""))
     if explicit & {"qnn_shard_mb", "qnn_shard_graphs"} and (target != "npu" or soc is None):
         raise CompileError("--qnn-shard-mb and --qnn-shard-graphs apply to the QNN context binaries: --target npu --soc SOC")
     if explicit & {"mlir_dialect", "repro_dir"} and target != "mlir":

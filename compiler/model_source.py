@@ -148,6 +148,19 @@ def bundled_model_path(name: str) -> Path:
     return path
 
 
+def config_error(what: str, e: Exception, gguf: bool) -> ModelLoadError | None:
+    """The named error for ``e``, raised while reading a model config, or None if ``e`` is not about the
+    config: transformers validates configs with its own exception types (huggingface_hub's) and
+    builtin ones (a zero head count divides by zero), and any failure to parse a GGUF file (struct.error
+    when it is truncated) is the file's."""
+    ours = isinstance(e, (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError)) or \
+        type(e).__module__.split(".")[0] in ("transformers", "huggingface_hub")
+    if not ours and not gguf:
+        return None
+    why = "a size or head count in it is zero" if isinstance(e, ZeroDivisionError) else str(e).strip().splitlines()[-1][:300]
+    return ModelLoadError(f"{what}: {why}", hint="the GGUF file may be truncated or corrupt: copy or convert it again" if gguf else "fix config.json")
+
+
 def check_config(config: Any, source: str) -> None:
     """Reject architectures and settings llmc cannot compile, by name."""
     mt = getattr(config, "model_type", None)
@@ -269,13 +282,11 @@ def _load(source: str, directory: Path | str, kwargs: dict[str, Any], descriptio
                     hint=f"download it on a machine with network (huggingface-cli download {source}) or pass a local directory",
                 ) from e
             raise ModelLoadError(f"cannot read the model config from {source}: {e}", hint="check that the files are complete") from e
-        except Exception as e:  # transformers validates configs with its own exception types (huggingface_hub's)
-            ours = isinstance(e, (ValueError, KeyError, TypeError, ZeroDivisionError)) or type(e).__module__.split(".")[0] in ("transformers", "huggingface_hub")
-            if not ours and not kwargs.get("gguf_file"):  # any failure to parse a GGUF file (struct.error when truncated) is the file's
+        except Exception as e:
+            err = config_error(f"cannot read the model config from {source}", e, gguf=bool(kwargs.get("gguf_file")))
+            if err is None:
                 raise
-            why = "a size or head count in it is zero" if isinstance(e, ZeroDivisionError) else str(e).strip().splitlines()[-1][:300]
-            raise ModelLoadError(f"cannot read the model config from {source}: {why}",
-                                 hint="the GGUF file may be truncated or corrupt: copy or convert it again" if kwargs.get("gguf_file") else "fix config.json") from e
+            raise err from e
         check_config(config, source)
         streamed = _streamed(directory, config) if not kwargs.get("gguf_file") and isinstance(directory, Path) else None
         if streamed is not None:

@@ -18,10 +18,11 @@ at import time.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from llmc.ir import Node
+    from llmc.ir import Node, Value
 
 Shape = tuple[int, ...]
 
@@ -194,6 +195,21 @@ def kv_cache_itemsize(attention: "Node") -> int:
     """Bytes per cached K or V element of an ``Attention`` node: 1 with ``k_scale``/``v_scale``
     (an int8 cache, ``quantize_kv_cache``), else 4 (float32)."""
     return 1 if "k_scale" in attention.weights else 4
+
+
+def sliced_whole(shadow: "Node") -> "Value | None":
+    """The projection whose consecutive column slices, all of it, are the results ``shadow`` (a
+    ``ShadowOutliers``) corrects, each slice read by it alone; or None."""
+    slices = [v.producer for v in shadow.inputs[1:]]
+    if len(slices) < 2 or any(p is None or p.op != "Slice" or len(p.outputs[0].uses) != 1 for p in slices):
+        return None
+    src = slices[0].inputs[0]
+    ends = list(itertools.accumulate(shadow.attrs["splits"]))
+    if any(p.inputs[0] is not src for p in slices) or ends[-1] != src.shape[-1]:
+        return None
+    if [(p.attrs["start"], p.attrs["end"]) for p in slices] != list(zip([0, *ends[:-1]], ends)):
+        return None
+    return src
 
 
 def _select_rows(node: "Node"):

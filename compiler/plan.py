@@ -54,13 +54,11 @@ def load_config(source: str):
             return transformers.AutoConfig.from_pretrained(p, local_files_only=True), f"model directory {p}"
     except ModelLoadError:
         raise
-    except Exception as e:  # transformers validates configs with its own exception types (huggingface_hub's)
-        if not isinstance(e, (OSError, ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError)) and \
-                type(e).__module__.split(".")[0] not in ("transformers", "huggingface_hub") and p.suffix != ".gguf":
+    except Exception as e:
+        err = model_source.config_error(f"cannot read the config of {source}", e, gguf=p.suffix == ".gguf")
+        if err is None:
             raise
-        hint = "the GGUF file may be truncated or corrupt: copy or convert it again" if p.suffix == ".gguf" else "fix the config"
-        why = "a size or head count in it is zero" if isinstance(e, ZeroDivisionError) else str(e).strip().splitlines()[-1][:300]
-        raise ModelLoadError(f"cannot read the config of {source}: {why}", hint=hint) from e
+        raise err from e
     raise ModelLoadError(f"no model config found for {source!r}",
                          hint="pass a config.json, a model directory, a .gguf file, smollm2-135m, or one of: " + ", ".join(known_configs()))
 

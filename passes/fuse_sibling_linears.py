@@ -40,6 +40,7 @@ import numpy as np
 from llmc.analyses import ChunkPlan
 from llmc.errors import CompileError
 from llmc.ir import Graph, Node
+from llmc.ops import sliced_whole
 from llmc.pass_manager import Pass, PassContext, PassResult
 
 log = logging.getLogger(__name__)
@@ -132,25 +133,17 @@ class FuseSiblingLinears(Pass):
     def _shadow_whole(graph: Graph, fused: Node) -> None:
         """If one ``ShadowOutliers`` corrects exactly the slices of ``fused`` (in their order and
         widths), let it correct ``fused`` whole and slice its result instead."""
-        slices = [u for u, _ in fused.outputs[0].uses]
-        if not slices or any(s.op != "Slice" for s in slices):
-            return
-        users = {u for s in slices for u, _ in s.outputs[0].uses}
-        if len(users) != 1:
-            return
-        (sh,) = users
-        if sh.op != "ShadowOutliers" or any(len(s.outputs[0].uses) != 1 for s in slices):
+        readers = [u for u, _ in fused.outputs[0].uses]
+        sh = next((u for s in readers if s.op == "Slice" for u, _ in s.outputs[0].uses), None)
+        # all of fused's readers are the slices sh corrects, in order and covering it (sliced_whole)
+        if sh is None or sh.op != "ShadowOutliers" or sliced_whole(sh) is not fused.outputs[0] or len(readers) != len(sh.inputs) - 1:
             return
         ys = sh.inputs[1:]
-        bounds = [(y.producer.attrs["start"], y.producer.attrs["end"]) if y.producer in slices else None for y in ys]
-        starts = np.cumsum([0, *sh.attrs["splits"]])
-        if len(ys) != len(slices) or bounds != list(zip(starts[:-1].tolist(), starts[1:].tolist())):
-            return
         if any(not u.schema.is_static for y in sh.outputs for u, _ in y.uses):
             # q/k/v read by attention: slices after the correction would sit between two CPU ops and
             # make a graph of their own in the chunk program (an NPU call for three views)
             return
-        whole = graph.add_node("ShadowOutliers", [sh.inputs[0], fused.outputs[0]], attrs={**sh.attrs, "splits": [int(starts[-1])]},
+        whole = graph.add_node("ShadowOutliers", [sh.inputs[0], fused.outputs[0]], attrs={**sh.attrs, "splits": [fused.outputs[0].shape[-1]]},
                                weights=dict(sh.weights), name=f"{sh.name}.whole", before=sh)
         i = graph.nodes.index(sh) + 1
         after = graph.nodes[i] if i < len(graph.nodes) else None  # None: append at the end
@@ -160,7 +153,7 @@ class FuseSiblingLinears(Pass):
             graph.replace_all_uses(old, part.outputs[0])
             names[part] = y.producer.name
         graph.remove_node(sh)
-        for s in slices:
-            graph.remove_node(s)
+        for y in ys:
+            graph.remove_node(y.producer)
         for node, name in names.items():  # the names the nodes they replace had
             graph.rename(node, name)

@@ -66,6 +66,16 @@ def map_weights(bundle: str | Path, table: dict[str, dict[str, Any]]) -> dict[st
     return out
 
 
+# what reading a manifest of the right version but the wrong shape raises
+SHAPE_ERRORS = (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration, ZeroDivisionError)
+
+
+def shape_error(bundle: str | Path, e: Exception) -> BundleError:
+    """The named error for a manifest that does not describe a bundle this llmc can use (``e`` one of ``SHAPE_ERRORS``)."""
+    return BundleError(f"{bundle}: manifest.json does not describe a bundle this llmc can use ({type(e).__name__}: {e})",
+                       hint="the manifest was edited or made by another llmc; recompile the bundle")
+
+
 def _check_layout(bundle: Path, m: dict[str, Any]) -> None:
     """The manifest's top-level entries have the types and ranges the runtime relies on."""
     def bad(what: str) -> BundleError:
@@ -137,7 +147,6 @@ def load_manifest(bundle: str | Path, verify: bool = True) -> dict[str, Any]:
             resolve_inside(bundle, rel)
             if rel not in files:
                 raise BundleError(f"{bundle}: {rel} is used but not covered by the manifest's hashes", hint="the bundle is corrupt; recompile it")
-    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a manifest of the right version, wrongly shaped
-        raise BundleError(f"{mpath} does not describe a bundle ({type(e).__name__}: {e})",
-                          hint="the manifest was edited or is corrupt; recompile the bundle") from e
+    except SHAPE_ERRORS as e:  # a manifest of the right version, wrongly shaped
+        raise shape_error(bundle, e) from e
     return manifest

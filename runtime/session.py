@@ -28,7 +28,7 @@ from llmc.runtime import kernels
 from llmc.runtime.binding import BoundGraph
 from llmc.runtime.decode_graph import DecodeGraphRunner
 from llmc.runtime.errors import BundleError, PromptTooLongError, ProviderError, TokenIdError
-from llmc.runtime.manifest import load_manifest, map_weights, resolve_inside
+from llmc.runtime.manifest import SHAPE_ERRORS, load_manifest, map_weights, resolve_inside, shape_error
 from llmc.runtime.ort_attention import OrtAttention, check_int8_cache_support
 from llmc.runtime.residency import Residency
 from llmc.runtime.sampling import Sampler
@@ -144,10 +144,8 @@ class Session:
         self.manifest = load_manifest(self.bundle, verify=verify)
         try:
             self._setup(ort, provider, threads, lazy, prefetch)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, StopIteration, ZeroDivisionError) as e:
-            # load_manifest checked the files and the manifest's digest: an old or hand-made manifest
-            raise BundleError(f"{self.bundle}: manifest.json does not describe a bundle this runtime can run ({type(e).__name__}: {e})",
-                              hint="the manifest was edited or made by another llmc; recompile the bundle") from e
+        except SHAPE_ERRORS as e:  # load_manifest checked the files and the manifest's digest: an old or hand-made manifest
+            raise shape_error(self.bundle, e) from e
 
     def _setup(self, ort: Any, provider: str, threads: int | None, lazy: bool, prefetch: bool) -> None:
         """Everything the constructor derives from the manifest; the ONNX Runtime sessions unless ``lazy``."""
@@ -156,6 +154,7 @@ class Session:
         m = self.manifest
         self.chunk = int(m["chunk"])
         self.max_context = int(m["max_context"])
+        self._vocab: int | None = m["model"].get("vocab_size")  # token ids are checked against it
         self.io = m["io"]
         self.program = m["program"]
         self.graphs = m["graphs"]
@@ -662,7 +661,7 @@ class Session:
         return self._prefill_cpu_program(ids, logits_for) if self._cpu_prefill else self._prefill_scheduled(ids, logits_for)
 
     def _check_ids(self, ids: np.ndarray) -> None:
-        vocab = self.manifest["model"].get("vocab_size")
+        vocab = self._vocab
         if vocab and len(ids) and (ids.min() < 0 or ids.max() >= vocab):
             bad = int(ids[(ids < 0) | (ids >= vocab)][0])
             raise TokenIdError(f"token id {bad} is outside the vocabulary of this bundle (ids 0..{vocab - 1})",

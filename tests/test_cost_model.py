@@ -70,6 +70,10 @@ def test_roofline_of_linears_and_attention(planned):
     fcm = CostModel(graph, ctx.get(ChunkPlan), prof, None, quantized=False)
     lin = type("N", (), {"op": "Linear", "weights": {"weight": type("W", (), {"shape": (1024, 1024)})()}})()
     assert fcm.node_seconds(lin, 256, 256, 256, "npu") > 100 * cm.node_seconds(q, 256, 256, 256, "npu")
+    # a Slice of a merged projection moves only its own columns, read and written
+    sl = next(n for n in graph.nodes if n.op == "Slice" and n.outputs[0].shape[-1] < n.inputs[0].shape[-1])
+    width = sl.outputs[0].shape[-1]
+    assert cm.node_seconds(sl, 256, 256, 256, "npu") == pytest.approx(256 * 2 * width * 2 / prof["npu.mem_bytes_per_s"])
 
 
 def test_shadow_cost_follows_calibrated_channel_rates(planned):

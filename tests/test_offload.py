@@ -480,6 +480,14 @@ def test_prefetch_depth_0_reads_each_step_when_it_runs(model_dirs, tmp_path):
     assert o["prefetch_depth"] == 0 and o["predicted_decode_s"] == pytest.approx(o["predicted_decode_no_prefetch_s"])
     s = Session(out, provider="cpu")
     assert s.residency.streaming.prefetch is False and s.residency.streaming.depth == 0
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    r = CliRunner().invoke(cli, ["inspect", str(out)])
+    assert r.exit_code == 0 and "tok/s (no prefetch)" in r.output and "with prefetch" not in r.output, r.output
+    r = CliRunner().invoke(cli, ["plan", str(model_dirs("llama")), "--target", "cpu", "--memory-budget", "60%", "--prefetch-depth", "0"])
+    assert r.exit_code == 0 and "tok/s (no prefetch)" in r.output and "with prefetch" not in r.output, r.output
     ref = Session(plain, provider="cpu").prefill(IDS, all_logits=True)
     np.testing.assert_allclose(s.prefill(IDS, all_logits=True), ref, atol=1e-4 * np.abs(ref).max())
 
