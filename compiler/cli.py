@@ -13,6 +13,8 @@ import click
 
 from llmc import __version__
 
+log = logging.getLogger(__name__)
+
 
 def _fail(e: Exception) -> None:
     click.echo(f"error: {e}", err=True)
@@ -280,46 +282,72 @@ _NO_PREFETCH = click.option("--no-prefetch", is_flag=True,
                             help="Memory-budgeted bundles: read each streamed weight when its step runs, not ahead (no effect otherwise).")
 
 
+def _generation_options(fn):
+    """The options ``run`` and ``chat`` share: sampling, stopping, provider and threads."""
+    for opt in reversed([
+        click.option("--greedy", "mode", flag_value="greedy", default=True, help="Pick the most likely token (default)."),
+        click.option("--sample", "mode", flag_value="sample", help="Sample with --temperature/--top-k/--top-p and --seed."),
+        click.option("--temperature", type=click.FloatRange(0, min_open=True), default=None, help="Sampling temperature (implies --sample)."),
+        click.option("--top-k", type=click.IntRange(0), default=0, help="Sample from the k most likely tokens (0: all; k > 0 implies --sample)."),
+        click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
+                     help="Sample from the smallest set of tokens holding this probability (below 1 implies --sample)."),
+        click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same tokens; greedy decoding ignores it)."),
+        click.option("--no-eos", is_flag=True, help="Do not stop at the end-of-sequence token."),
+        click.option("--provider", type=click.Choice(["auto", "cpu", "qnn"]), default="auto", show_default=True,
+                     help="qnn: NPU graphs on the QNN HTP backend (simulator on x86_64); auto: qnn when available and built, else cpu."),
+        click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads (default: all cores)."),
+        _NO_PREFETCH,
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _sampling(mode, temperature, top_k, top_p, seed, no_eos) -> dict:
+    """The keyword arguments of ``Session.stream`` for these options (warns about a lone --seed)."""
+    if temperature is not None or top_k or top_p < 1.0:
+        mode = "sample"
+    elif mode == "greedy" and seed is not None:
+        click.echo("warning: --seed has no effect with greedy decoding; add --sample (or --temperature) to sample", err=True)
+    kw = dict(stop_at_eos=not no_eos)
+    if mode == "sample":
+        kw.update(temperature=temperature or 1.0, top_k=top_k, top_p=top_p, seed=seed)
+    return kw
+
+
 @cli.command()
 @click.argument("bundle", type=click.Path())
 @click.option("--prompt", default=None, help="Prompt text.")
 @click.option("--prompt-ids", default=None, help="Prompt as comma-separated token ids (for bundles without a tokenizer).")
+@click.option("--chat", is_flag=True, help="Format --prompt as a user turn with the model's chat template (instruct models).")
+@click.option("--system", default=None, help="[--chat] A system message before the user turn.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)
-@click.option("--greedy", "mode", flag_value="greedy", default=True, help="Pick the most likely token (default).")
-@click.option("--sample", "mode", flag_value="sample", help="Sample with --temperature/--top-k/--top-p and --seed.")
-@click.option("--temperature", type=click.FloatRange(0, min_open=True), default=None, help="Sampling temperature (implies --sample).")
-@click.option("--top-k", type=click.IntRange(0), default=0, help="Sample from the k most likely tokens (0: all; k > 0 implies --sample).")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
-              help="Sample from the smallest set of tokens holding this probability (below 1 implies --sample).")
-@click.option("--seed", type=int, default=None, help="Seed for sampling (same seed, same tokens; greedy decoding ignores it).")
-@click.option("--no-eos", is_flag=True, help="Do not stop at the end-of-sequence token.")
-@click.option("--provider", type=click.Choice(["auto", "cpu", "qnn"]), default="auto", show_default=True,
-              help="qnn: NPU graphs on the QNN HTP backend (simulator on x86_64); auto: qnn when available and built, else cpu.")
-@click.option("--threads", type=click.IntRange(1), default=None, help="ONNX Runtime intra-op threads (default: all cores).")
-@_NO_PREFETCH
+@_generation_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (ids, text, timings) instead of streaming text.")
 @_guard
-def run(bundle, prompt, prompt_ids, max_new_tokens, mode, temperature, top_k, top_p, seed, no_eos, provider, threads, no_prefetch, as_json):
+def run(bundle, prompt, prompt_ids, chat, system, max_new_tokens, mode, temperature, top_k, top_p, seed, no_eos, provider, threads, no_prefetch,
+        as_json):
     """Generate text from a compiled BUNDLE."""
     from llmc.runtime import Metrics
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-ids")
-    if temperature is not None or top_k or top_p < 1.0:
-        mode = "sample"
-    elif mode == "greedy" and seed is not None:
-        click.echo("warning: --seed has no effect with greedy decoding; add --sample (or --temperature) to sample", err=True)
+    if chat and prompt is None:
+        raise click.UsageError("--chat formats --prompt text; it does not take --prompt-ids")
+    if system is not None and not chat:
+        raise click.UsageError("--system needs --chat")
+    kw = _sampling(mode, temperature, top_k, top_p, seed, no_eos)
     sess = _make_session(bundle, provider, threads, prefetch=not no_prefetch)
     if prompt_ids is not None:
         try:
             source = [int(t) for t in prompt_ids.split(",") if t.strip()]
         except ValueError:
             raise click.BadParameter("token ids must be integers separated by commas", param_hint="--prompt-ids")
+    elif chat:
+        from llmc.runtime.chat import Conversation
+
+        source = Conversation(sess, system=system).prompt_ids(prompt)
     else:
         source = prompt
-    kw = dict(stop_at_eos=not no_eos)
-    if mode == "sample":
-        kw.update(temperature=temperature or 1.0, top_k=top_k, top_p=top_p, seed=seed)
     if as_json:
         res = sess.generate(source, max_new_tokens, **kw)
         click.echo(json.dumps({
@@ -335,13 +363,72 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, mode, temperature, top_k, to
     for ev in sess.stream(source, max_new_tokens, metrics=metrics, **kw):
         click.echo(ev.text, nl=False)
     click.echo()
-    if metrics.generated_tokens < max_new_tokens and sess.position >= sess.max_context:
-        click.echo(f"[stopped: the context is full ({sess.max_context} tokens, the bundle's --max-context)]", err=True)
+    _stop_note(sess, metrics, max_new_tokens)
     click.echo(
         f"[{metrics.prompt_tokens} prompt tokens, {metrics.generated_tokens} generated; TTFT {metrics.ttft_s * 1000:.0f} ms, "
         f"prefill {metrics.prefill_tok_s:.1f} tok/s, decode {metrics.decode_tok_s:.1f} tok/s, peak RSS {metrics.peak_rss_mb:.0f} MB]",
         err=True,
     )
+
+
+def _stop_note(sess, metrics, max_new_tokens) -> None:
+    if metrics.generated_tokens < max_new_tokens and sess.position >= sess.max_context:
+        click.echo(f"[stopped: the context is full ({sess.max_context} tokens, the bundle's --max-context)]", err=True)
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path())
+@click.option("--system", default=None, help="A system message that opens the conversation.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=256, show_default=True, help="Longest reply.")
+@_generation_options
+@_guard
+def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, no_eos, provider, threads, no_prefetch):
+    """Chat with an instruct model's BUNDLE: one user turn per line of standard input.
+
+    Replies stream to standard output. The KV cache is kept across turns, so a
+    turn prefills only its own tokens. A line "/reset" starts a new
+    conversation; "/exit" or the end of input quits.
+    """
+    from llmc.runtime import Metrics, PromptTooLongError
+    from llmc.runtime.chat import Conversation
+
+    kw = _sampling(mode, temperature, top_k, top_p, seed, no_eos)
+    sess = _make_session(bundle, provider, threads, prefetch=not no_prefetch)
+    conv = Conversation(sess, system=system)
+    tty = sys.stdin.isatty()
+    turns = tokens = 0
+    while True:
+        if tty:
+            click.echo("> ", nl=False, err=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            break
+        user = line.rstrip("\n")
+        if user.strip() == "/reset":
+            conv.reset()
+            click.echo("[new conversation]", err=True)
+            continue
+        if not user.strip():
+            continue
+        metrics = Metrics()
+        try:
+            events = conv.say(user, max_new_tokens, metrics=metrics, **kw)
+        except PromptTooLongError as e:  # the conversation is unchanged: the user can /reset and go on
+            click.echo(f"error: {e}", err=True)
+            click.echo(f"hint: {e.hint}", err=True)
+            if not tty:
+                sys.exit(e.exit_code)
+            continue
+        for ev in events:
+            click.echo(ev.text, nl=False)
+        click.echo()
+        _stop_note(sess, metrics, max_new_tokens)
+        turns += 1
+        tokens += metrics.generated_tokens
+        log.info("turn %d: %d new prompt tokens, %d generated; TTFT %.0f ms, decode %.1f tok/s", turns, metrics.prompt_tokens,
+                 metrics.generated_tokens, metrics.ttft_s * 1000, metrics.decode_tok_s)
+    if turns:
+        click.echo(f"[{turns} turns, {tokens} tokens generated, {sess.position} tokens in the context at the end]", err=True)
 
 
 def _kv_cache_summary(m: dict) -> dict:

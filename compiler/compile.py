@@ -515,6 +515,11 @@ def _write_tokenizer(loaded, root: Path) -> dict[str, Any]:
     info["file"] = "tokenizer/tokenizer.json"
     info["bos_token_id"] = getattr(tok, "bos_token_id", None)
     template = getattr(tok, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the one apply_chat_template uses by default
+        template = template.get("default")
     if isinstance(template, str):
         info["chat_template"] = template
+        # the strings a template may write (bos_token, eos_token, ...), as apply_chat_template passes them
+        info["special_tokens"] = {k: v for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+                                  if isinstance(v := getattr(tok, k, None), str)}
     return info

@@ -1,8 +1,8 @@
 """llmc's runtime: executes a compiled bundle.
 
-Depends only on numpy, onnxruntime, tokenizers and the standard library — never
-on torch, transformers or the compiler — so a bundle runs on a machine that has
-none of them.
+Depends only on numpy, onnxruntime, tokenizers, Jinja2 (chat templates) and the
+standard library — never on torch, transformers or the compiler — so a bundle
+runs on a machine that has none of them.
 """
 
 import os as _os

@@ -33,3 +33,9 @@ class ProviderError(LlmcRuntimeError):
     """The requested execution provider is not available for this bundle."""
 
     exit_code = 10
+
+
+class ChatTemplateError(LlmcRuntimeError):
+    """The bundle's chat template cannot render the conversation (or Jinja2 is missing)."""
+
+    exit_code = 5

@@ -456,6 +456,13 @@ class Session:
             self._attention = OrtAttention(self._ort, self.cache, self._threads)
         self.position = 0
 
+    def rewind(self, position: int) -> None:
+        """Forget the cached positions from ``position`` on: the next token fed is at ``position``.
+        (Attention reads the cache only below the current position, so nothing is cleared.)"""
+        if not 0 <= position <= self.position:
+            raise ValueError(f"cannot rewind to position {position}: the cache holds positions 0..{self.position - 1}")
+        self.position = position
+
     def _feeds(self, ids: np.ndarray, start: int) -> dict[str, np.ndarray]:
         return {
             self.io["input_ids"]: ids.astype(np.int64, copy=False),
@@ -693,10 +700,12 @@ class Session:
         return buf[self.io["logits"]][0]
 
     # -- text ----------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens=False`` leaves out what the tokenizer adds on
+        its own (a BOS), as for text rendered from a chat template, which writes its own."""
         if self.tokenizer is None:
             raise BundleError(f"{self.bundle} has no tokenizer; pass token ids instead of text", hint="compile from a model directory that has tokenizer files")
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode_text(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -715,7 +724,7 @@ class Session:
         stop_at_eos: bool = True,
         metrics: Metrics | None = None,
     ) -> Iterator[TokenEvent]:
-        """Yield generated tokens one at a time. ``temperature=0`` is greedy."""
+        """Yield generated tokens one at a time, from an empty context. ``temperature=0`` is greedy."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise PromptTooLongError("the prompt is empty", hint="give at least one token")
@@ -724,14 +733,37 @@ class Session:
                 f"the prompt has {len(ids)} tokens but this bundle was compiled with --max-context {self.max_context}",
                 hint="shorten the prompt, or recompile with a larger --max-context",
             )
+        self.reset()
+        return self.continue_stream(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                    stop_at_eos=stop_at_eos, metrics=metrics)
+
+    def continue_stream(
+        self,
+        ids: Sequence[int],
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_at_eos: bool = True,
+        metrics: Metrics | None = None,
+    ) -> Iterator[TokenEvent]:
+        """Feed ``ids`` after what the cache holds (``position``), then yield generated tokens.
+
+        The last token yielded is not fed: the cache then holds the context, ``ids`` and
+        every generated token but the last (a conversation feeds it with its next turn)."""
+        ids = [int(t) for t in ids]
         metrics = metrics if metrics is not None else Metrics()
         metrics.prompt_tokens = len(ids)
         sampler = Sampler(temperature, top_k, top_p, seed)
-        self.reset()
         t0 = time.perf_counter()
-        logits = self.prefill(ids)
-        tok = sampler(logits)
+        tok = sampler(self.prefill(ids))  # the prompt runs (and is checked) here, not at the first next()
         metrics.prefill_s = metrics.ttft_s = time.perf_counter() - t0
+        return self._generate(tok, sampler, max_new_tokens, stop_at_eos, metrics)
+
+    def _generate(self, tok: int, sampler: Sampler, max_new_tokens: int, stop_at_eos: bool, metrics: Metrics) -> Iterator[TokenEvent]:
+        """Yield ``tok`` (sampled from the prompt's logits) and the tokens after it."""
         generated: list[int] = []
         text_so_far = ""
         t1 = time.perf_counter()

@@ -53,8 +53,8 @@ def _imports(folder: str) -> set[str]:
 
 
 def test_layering():
-    """runtime imports only numpy/onnxruntime(+qnn)/tokenizers/stdlib + itself; passes and backends don't import each other."""
-    allowed_third_party = {"numpy", "onnxruntime", "onnxruntime_qnn", "tokenizers"}
+    """runtime imports only numpy/onnxruntime(+qnn)/tokenizers/jinja2/stdlib + itself; passes and backends don't import each other."""
+    allowed_third_party = {"numpy", "onnxruntime", "onnxruntime_qnn", "tokenizers", "jinja2"}
     for mod in _imports("runtime"):
         top = mod.split(".")[0]
         if top == "llmc":

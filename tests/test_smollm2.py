@@ -250,3 +250,28 @@ def test_no_cache_without_a_temporary_directory_loads_the_gguf_whole(monkeypatch
         loaded = model_source.load("smollm2-135m", cache_dir=None)
     assert loaded.checkpoint is None and not any(p.is_meta for p in loaded.model.parameters())
     assert "cannot create a temporary directory" in caplog.text
+
+
+def test_chat_matches_hf_chat_template_and_greedy_over_two_turns(smol):
+    """The bundle's chat template renders as transformers' apply_chat_template does, and a
+    second turn that reuses the cache replies what HF eager replies to the whole conversation."""
+    import torch
+
+    from llmc.runtime import Session
+    from llmc.runtime.chat import Conversation
+
+    out, model, tok = smol
+    conv = Conversation(Session(out))
+    messages = []
+    for user in ("What is the capital of France?", "And of Italy?"):
+        messages.append({"role": "user", "content": user})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert conv.prompt_ids(user) == list(ids)
+        seq = list(ids)
+        with torch.no_grad():
+            for _ in range(10):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        reply = [e.token_id for e in conv.say(user, 10, stop_at_eos=False)]
+        assert reply == seq[len(ids):], user
+        messages.append(conv.messages[-1])
+    assert "Paris" in conv.messages[1]["content"] and "Rome" in conv.messages[3]["content"]
