@@ -396,11 +396,20 @@ def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, 
     sess = _make_session(bundle, provider, threads, prefetch=not no_prefetch)
     conv = Conversation(sess, system=system)
     tty = sys.stdin.isatty()
+    if tty:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
     turns = tokens = 0
     while True:
         if tty:
-            click.echo("> ", nl=False, err=True)
-        line = sys.stdin.readline()
+            try:
+                line = input("> ") + "\n"
+            except EOFError:
+                line = ""
+        else:
+            line = sys.stdin.readline()
         if not line or line.strip() == "/exit":
             break
         user = line.rstrip("\n")
@@ -428,7 +437,7 @@ def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, 
         log.info("turn %d: %d new prompt tokens, %d generated; TTFT %.0f ms, decode %.1f tok/s", turns, metrics.prompt_tokens,
                  metrics.generated_tokens, metrics.ttft_s * 1000, metrics.decode_tok_s)
     if turns:
-        click.echo(f"[{turns} turns, {tokens} tokens generated, {sess.position} tokens in the context at the end]", err=True)
+        click.echo(f"[{turns} turn{'s' * (turns != 1)}, {tokens} tokens generated, {sess.position} tokens in the context at the end]", err=True)
 
 
 def _kv_cache_summary(m: dict) -> dict:
