@@ -24,8 +24,8 @@ Act             Sigmoid·x (silu), Gelu(approximate=none|tanh)
 QLinear         QuantizeLinear, DequantizeLinear (x and W), MatMul, + bias as Sum
                 (ONNX Runtime fuses the pattern into MatMulIntegerToFloat)
 BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for the
-                codes, then Gemm(block sums of x, offsets, C = that result) (+ bias
-                as Add); the block sums (Reshape, ReduceSum) once per input and
+                codes, then (when the weights have offsets) Gemm(block sums of x,
+                offsets, C = that result) (+ bias as Add); the block sums (Reshape, ReduceSum) once per input and
                 graph; one-row instances with accuracy_level=4 (int8 activations
                 per block: 2-4x faster at one row here), 4-bit chunk instances
                 with accuracy_level=0 (float32 compute: 1.2x faster than int8 at
@@ -158,11 +158,11 @@ class _Builder:
             out_f, nb, _ = qw.shape
             block, bits = a["block_size"], a["bits"]
             ins = x + [self.weight(qw), self.weight(n.weights["scales"])]
-            self.add("MatMulNBits", ins, [f"{n.name}.codes"], n.name, domain=MS_DOMAIN, K=nb * block, N=out_f, bits=bits,
-                     block_size=block, accuracy_level=4 if self.rows == 1 or bits == 8 else 0)
-            # one Gemm adds the offsets' term to the codes' product: C = the MatMulNBits result
-            self.add("Gemm", [self.block_sums(x[0], nb, block), self.weight(n.weights["offsets"]), f"{n.name}.codes"],
-                     [f"{n.name}.sum"] if "bias" in n.weights else y, f"{n.name}.offset")
+            out = [f"{n.name}.sum"] if "bias" in n.weights else y
+            self.add("MatMulNBits", ins, [f"{n.name}.codes"] if "offsets" in n.weights else out, n.name, domain=MS_DOMAIN, K=nb * block,
+                     N=out_f, bits=bits, block_size=block, accuracy_level=4 if self.rows == 1 or bits == 8 else 0)
+            if "offsets" in n.weights:  # one Gemm adds the offsets' term to the codes' product: C = the MatMulNBits result
+                self.add("Gemm", [self.block_sums(x[0], nb, block), self.weight(n.weights["offsets"]), f"{n.name}.codes"], out, f"{n.name}.offset")
             if "bias" in n.weights:
                 self.add("Add", [f"{n.name}.sum", self.weight(n.weights["bias"])], y, f"{n.name}.bias")
         elif n.op == "RMSNorm":

@@ -19,7 +19,8 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   one-thread table ``cpu.int8_gemv_1t_s``).
   A ``Linear`` placed on the NPU of a target that quantizes is costed as QLinear.
 * ``BlockQLinear`` (CPU, weight-only b-bit codes in blocks of B): the bytes it
-  reads, ``KN (b/8 + 8/B) / cpu.mem_bytes_per_s``, against its arithmetic:
+  reads, ``KN (b/8 + 8/B) / cpu.mem_bytes_per_s`` (``4/B`` for symmetric codes, which have no
+  offsets), against its arithmetic:
   ``2RKN / cpu.fp32_flops_per_s`` for a chunk (the backend computes chunks in
   float32), ``2KN / cpu.int8_gemv_ops_per_s`` at one row (int8 activations),
   falling back to the float32 rate when the profile has no int8 rate.
@@ -137,7 +138,7 @@ class CostModel:
             nout, nb, width = node.weights["qweight"].shape
             block = node.attrs["block_size"]
             k = nb * block
-            read = nout * nb * (width + 8.0) / p["cpu.mem_bytes_per_s"]  # codes, a scale and an offset per block
+            read = nout * nb * (width + 4.0 * (1 + ("offsets" in node.weights))) / p["cpu.mem_bytes_per_s"]  # codes, a scale (and an offset) per block
             rate = p.get("cpu.int8_gemv_ops_per_s") if rows == 1 else None
             return max(read, 2.0 * rows * k * nout / (rate or p["cpu.fp32_flops_per_s"]))
         if op in ELEMENTWISE:
@@ -290,7 +291,8 @@ def _kernels(node: Node) -> int:
     if node.op == "QLinear":
         return 2
     if node.op == "BlockQLinear":
-        return 3  # MatMulNBits, the offsets' Gemm, and (about once per Linear) the block sums' Reshape + ReduceSum
+        # MatMulNBits, the offsets' Gemm, and (about once per Linear) the block sums' Reshape + ReduceSum
+        return 3 if "offsets" in node.weights else 1
     if node.op == "ShadowOutliers":
         splits = len(node.attrs["splits"])
         return 8 + splits + (1 if splits > 1 else 0)

@@ -120,7 +120,7 @@ def _block_codes(node: "Node") -> tuple[int, int, int]:
     block, bits = node.attrs["block_size"], node.attrs["bits"]
     if bits not in (4, 8) or width * 8 != block * bits:
         raise ValueError(f"{width} bytes per block do not hold {block} {bits}-bit codes (bits must be 4 or 8)")
-    if node.weights["scales"].shape != (n * nb,) or node.weights["offsets"].shape != (nb, n):
+    if node.weights["scales"].shape != (n * nb,) or ("offsets" in node.weights and node.weights["offsets"].shape != (nb, n)):
         raise ValueError("scales must be [N * blocks] and offsets [blocks, N]")
     return n, nb, block
 
@@ -223,7 +223,7 @@ OPS: dict[str, OpDef] = {
     d.name: d
     for d in [
         OpDef("Embedding", "dynamic", (1, 1), ("scale",), ("table",), (), "gather token embeddings (CPU, from the shared table) times a constant", _embedding),
-        OpDef("BlockEmbedding", "dynamic", (1, 1), ("scale", "bits", "block_size"), ("qweight", "scales", "offsets"), (),
+        OpDef("BlockEmbedding", "dynamic", (1, 1), ("scale", "bits", "block_size"), ("qweight", "scales"), ("offsets",),
               "gather token rows of block-quantized weights (a tied LM head's BlockQLinear codes), dequantized, times a constant", _block_embedding),
         OpDef("RotaryTable", "dynamic", (1, 1), ("scaling",), ("inv_freq",), (), "cos/sin rotary tables for the chunk's positions", _rotary),
         OpDef(
@@ -263,9 +263,9 @@ OPS: dict[str, OpDef] = {
             "static",
             (1, 1),
             ("block_size", "bits"),
-            ("qweight", "scales", "offsets"),
-            ("bias",),
-            "weight-only 4/8-bit: x @ (s * (q - 2^(bits-1)) + o)^T (+ b), a scale and an offset per block of inputs; float activations",
+            ("qweight", "scales"),
+            ("offsets", "bias"),
+            "weight-only 4/8-bit: x @ (s * (q - 2^(bits-1)) + o)^T (+ b), a scale and (optional) an offset per block of inputs; float activations",
             _blockqlinear,
         ),
         OpDef("RMSNorm", "static", (1, 1), ("eps", "offset"), ("weight",), (), "x * rsqrt(mean(x^2) + eps) * (offset + w)", _norm),

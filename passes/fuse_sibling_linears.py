@@ -59,7 +59,7 @@ def _key(n: Node) -> tuple | None:
         return None
     if n.op == "QLinear" and n.weights["wscale"].shape == (1,):  # a per-tensor weight scale
         return None
-    return (n.op, tuple(sorted(n.attrs.items())), "bias" in n.weights)
+    return (n.op, tuple(sorted(n.attrs.items())), tuple(sorted(n.weights)))
 
 
 def _merged_name(names: list[str]) -> str:

@@ -12,21 +12,24 @@ weights in blocks of 32 along the input: b-bit codes ``q``, a float32 scale
 and last code (``s = (max - min) / (2^b - 1)``): for b = 4 llama.cpp's Q4_1
 grid, so a GGUF stored as Q4_1 (the bundled SmolLM2's layers) is re-quantized
 onto the very codes it was dequantized from, up to float rounding of ``s`` and
-``o``. Every Linear gets b = 4 except the LM head, b = 8 (SmolLM2 stores it,
-tied to the embedding, as Q8_0). Measured on SmolLM2, held-out English,
-float32 perplexity 11.84: this format 11.89; a 4-bit head 12.56; an integer
-zero point (``s * (q - z)``, which must put 0 in every block's range) 14.55
-(docs/quantization.md).
+``o``. Every Linear gets b = 4 except the LM head, b = 8 with symmetric codes
+and no offset (``s = max|w| / 127``, ``w = s * (q - 128)``): llama.cpp's Q8_0,
+in which SmolLM2 stores it (tied to the embedding), so it too comes back onto
+its own codes. Measured on SmolLM2, held-out English, float32 perplexity
+11.84: this format 11.88 (with the head at 8 bits min/max like the layers,
+11.89); a 4-bit head 12.56; an integer zero point (``s * (q - z)``, which must
+put 0 in every block's range) 14.55 (docs/quantization.md).
 
 The matmul splits accordingly (``xs_b`` = the sum of x over block b)::
 
     y = x @ (s * (q - 2^(b-1)))^T + xs @ O        # O: the offsets, [K/32, N]
 
 The first term is ONNX Runtime's ``MatMulNBits`` with its default zero point
-(the ONNX backend's lowering); the second is a float matmul 1/32 the size.
+(the ONNX backend's lowering); the second is a float matmul 1/32 the size
+(none for the head, whose ``BlockQLinear`` has no ``offsets``).
 Storage: ``qweight [N, K/32, 32 b / 8]`` uint8 (at 4 bits two codes per byte,
 the lower input index in the low nibble); ``scales [N * K/32]`` float32;
-``offsets [K/32, N]`` float32. SmolLM2-135M's Linears then read 115 MB per
+``offsets [K/32, N]`` float32. SmolLM2-135M's Linears then read 112 MB per
 decoded token instead of 538 MB of float32.
 
 A Linear whose input width is not a multiple of 32 stays float32 (with a warning).
@@ -53,13 +56,19 @@ log = logging.getLogger(__name__)
 BLOCK = 32
 BITS = 4
 HEAD_BITS = 8  # the LM head (and a tied embedding's table): llama.cpp's mixes keep it at 6-8 bits too
+# ... with symmetric codes and no offsets: llama.cpp's Q8_0, which a GGUF's 8-bit head (SmolLM2's) is
+# re-quantized onto exactly; the head's offsets' term was 3.5 MB of float32 read per SmolLM2 token
+HEAD_SYMMETRIC = True
 _ROWS_PER_STEP = 1024  # output channels quantized at once: temporaries stay a few MB for any width
 
 
-def quantize_blocks(w: np.ndarray, bits: int = 4, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_blocks(w: np.ndarray, bits: int = 4, block: int = BLOCK, symmetric: bool = False
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``w [N, K]`` float -> (codes ``[N, K/block, block * bits / 8]`` uint8, scales
     ``[N * K/block]`` float32, offsets ``[K/block, N]`` float32); a weight is
-    ``scale * (code - 2^(bits-1)) + offset``."""
+    ``scale * (code - 2^(bits-1)) + offset``. With ``symmetric`` the block's largest
+    magnitude maps to code 2^b - 1 or 1 (``scale = max|w| / (2^(b-1) - 1)``, llama.cpp's
+    Q8_0 at 8 bits) and there are no offsets (None)."""
     if bits not in (4, 8):
         raise ValueError(f"{bits}-bit codes are not supported (4 or 8)")
     w = np.asarray(w)
@@ -70,9 +79,18 @@ def quantize_blocks(w: np.ndarray, bits: int = 4, block: int = BLOCK) -> tuple[n
     top, mid = (1 << bits) - 1, 1 << (bits - 1)
     codes = np.empty((n, nb, block * bits // 8), np.uint8)
     scales = np.empty((n, nb), np.float32)
-    offsets = np.empty((nb, n), np.float32)
+    offsets = None if symmetric else np.empty((nb, n), np.float32)
     for i in range(0, n, _ROWS_PER_STEP):
         b = np.asarray(w[i : i + _ROWS_PER_STEP], np.float32).reshape(-1, nb, block)
+        if symmetric:
+            s = np.abs(b).max(axis=2) / np.float32(mid - 1)
+            q = b / np.where(s == 0, np.float32(1), s)[..., None]
+            np.rint(q, out=q)
+            np.clip(q, 1 - mid, mid - 1, out=q)
+            q8 = (q + mid).astype(np.uint8)
+            codes[i : i + len(q8)] = q8[..., 0::2] | (q8[..., 1::2] << 4) if bits == 4 else q8
+            scales[i : i + len(q8)] = s
+            continue
         lo = b.min(axis=2)
         s = (b.max(axis=2) - lo) / np.float32(top)
         # A constant block: scale 0, every code 0, the offset holds the value. (A nonzero scale
@@ -143,7 +161,7 @@ class QuantizeInt4(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         check_options(ctx.options)
         store = graph.weights
-        cache: dict[tuple[str, int], tuple[tuple[np.ndarray, np.ndarray, np.ndarray], set[int]]] = {}
+        cache: dict[tuple[str, int], tuple[tuple[np.ndarray, np.ndarray, np.ndarray | None], set[int]]] = {}
         changed = False
         kept = []
         head = logits_linear(graph)
@@ -157,28 +175,30 @@ class QuantizeInt4(Pass):
                 kept.append(node.name)
                 continue
             nb = in_f // BLOCK
-            bits = HEAD_BITS if node is head else BITS
+            bits, symmetric = (HEAD_BITS, HEAD_SYMMETRIC) if node is head else (BITS, False)
+            parts = 2 if symmetric else 3
 
-            def part(i, name=wref.name, bits=bits):
-                # one quantization serves the codes, the scales and the offsets; dropped once all three are read
+            def part(i, name=wref.name, bits=bits, symmetric=symmetric, parts=parts):
+                # one quantization serves the codes, the scales and the offsets; dropped once all are read
                 key = (name, bits)
                 if key not in cache:
-                    cache[key] = (quantize_blocks(store.load(name), bits), set())
+                    cache[key] = (quantize_blocks(store.load(name), bits, symmetric=symmetric), set())
                 arrays, served = cache[key]
                 served.add(i)
-                if len(served) == 3:
+                if len(served) == parts:
                     del cache[key]
                 return arrays[i]
 
             weights = {
                 "qweight": store.derived(f"{wref.name}.q{bits}b", (out_f, nb, BLOCK * bits // 8), "uint8", lambda part=part: part(0)),
                 "scales": store.derived(f"{wref.name}.q{bits}b.scale", (out_f * nb,), "float32", lambda part=part: part(1)),
-                "offsets": store.derived(f"{wref.name}.q{bits}b.offset", (nb, out_f), "float32", lambda part=part: part(2)),
             }
+            if not symmetric:
+                weights["offsets"] = store.derived(f"{wref.name}.q{bits}b.offset", (nb, out_f), "float32", lambda part=part: part(2))
             if "bias" in node.weights:
                 weights["bias"] = node.weights["bias"]
             if node is head:
-                head_codes = (wref.name, {k: weights[k] for k in ("qweight", "scales", "offsets")})
+                head_codes = (wref.name, {k: v for k, v in weights.items() if k != "bias"})
             q = graph.add_node("BlockQLinear", [node.inputs[0]], attrs={"block_size": BLOCK, "bits": bits}, weights=weights, name=f"{node.name}.q{bits}b", before=node)
             graph.replace_all_uses(node.outputs[0], q.outputs[0])
             graph.remove_node(node)

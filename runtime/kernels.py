@@ -74,9 +74,10 @@ def embedding(ids: np.ndarray, table: np.ndarray, scale: float) -> np.ndarray:
     return out
 
 
-def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int) -> np.ndarray:
+def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, bits: int) -> np.ndarray:
     """Float32 ``[N, K]`` rows of block-quantized weights (``llmc.passes.quantize_int4``'s format: codes
-    ``[N, blocks, block * bits / 8]``, scales ``[N * blocks]``, offsets ``[blocks, N]``): ``s * (q - 2^(bits-1)) + o``."""
+    ``[N, blocks, block * bits / 8]``, scales ``[N * blocks]``, offsets ``[blocks, N]`` or None for
+    symmetric codes): ``s * (q - 2^(bits-1)) + o``."""
     n, nb, width = codes.shape
     if bits == 4:
         q = np.empty((n, nb, 2 * width), np.float32)
@@ -86,14 +87,16 @@ def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray
         q = codes.astype(np.float32)
     q -= 1 << (bits - 1)
     q *= scales.reshape(n, nb)[..., None]
-    q += offsets.T[..., None]
+    if offsets is not None:
+        q += offsets.T[..., None]
     return q.reshape(n, -1)
 
 
-def block_embedding(ids: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, bits: int, scale: float) -> np.ndarray:
+def block_embedding(ids: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, bits: int, scale: float) -> np.ndarray:
     """Rows ``ids`` of block-quantized weights (see :func:`dequantize_blocks`), times ``scale``."""
     v, nb, _ = codes.shape
-    out = dequantize_blocks(np.take(codes, ids, axis=0), np.take(scales.reshape(v, nb), ids, axis=0), np.take(offsets, ids, axis=1), bits)
+    rows_offsets = None if offsets is None else np.take(offsets, ids, axis=1)
+    out = dequantize_blocks(np.take(codes, ids, axis=0), np.take(scales.reshape(v, nb), ids, axis=0), rows_offsets, bits)
     if scale != 1.0:
         out *= np.float32(scale)
     return out

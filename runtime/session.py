@@ -479,7 +479,8 @@ class Session:
             res = [kernels.embedding(ins[0], self._weights[s["weights"]["table"]], a["scale"])]
         elif op == "BlockEmbedding":
             w = s["weights"]
-            res = [kernels.block_embedding(ins[0], self._weights[w["qweight"]], self._weights[w["scales"]], self._weights[w["offsets"]], a["bits"], a["scale"])]
+            res = [kernels.block_embedding(ins[0], self._weights[w["qweight"]], self._weights[w["scales"]],
+                                         self._weights[w["offsets"]] if "offsets" in w else None, a["bits"], a["scale"])]
         elif op == "RotaryTable":
             res = list(kernels.rotary_table(ins[0], self._weights[s["weights"]["inv_freq"]], a["scaling"]))
         elif op == "Attention":

@@ -55,6 +55,31 @@ def test_q4_1_weights_come_back_exactly():
     assert np.abs(dequantize_blocks(codes, scales, offsets, 4) - w).max() < 1e-6
 
 
+def test_q8_0_weights_come_back_exactly_as_symmetric_codes():
+    """Weights on llama.cpp's Q8_0 grid (d * q, |q| <= 127 with 127 reached in every block), as a GGUF's
+    8-bit head dequantizes, re-quantize onto the same codes with no offsets; random weights stay
+    within half a step, and an all-zero block is exact."""
+    rng = np.random.default_rng(3)
+    n, nb = 24, 4
+    q = rng.integers(-127, 128, (n, nb, BLOCK)).astype(np.float32)
+    q[..., 0] = np.where(rng.random((n, nb)) < 0.5, -127, 127)
+    d = rng.uniform(0.001, 0.05, (n, nb, 1)).astype(np.float16).astype(np.float32)
+    w = (d * q).reshape(n, nb * BLOCK)
+    w[3, :BLOCK] = 0.0
+    codes, scales, offsets = quantize_blocks(w, 8, symmetric=True)
+    assert offsets is None and codes.shape == (n, nb, BLOCK)
+    expect = q + 128
+    expect[3, 0] = 128
+    assert np.array_equal(codes, expect.astype(np.uint8))
+    back = dequantize_blocks(codes, scales, None, 8)
+    assert np.abs(back - w).max() <= 1e-6 * np.abs(w).max() and np.array_equal(back[3, :BLOCK], w[3, :BLOCK])
+    r = rng.standard_normal((8, 2 * BLOCK)).astype(np.float32)
+    for bits in (4, 8):
+        c, s, _ = quantize_blocks(r, bits, symmetric=True)
+        err = np.abs(dequantize_blocks(c, s, None, bits) - r).reshape(8, 2, BLOCK)
+        assert (err <= s.reshape(8, 2, 1) / 2 * 1.0001 + 1e-7).all()
+
+
 def test_bad_shapes_and_bits_are_refused():
     with pytest.raises(ValueError, match="multiple of the block size"):
         quantize_blocks(np.zeros((4, 48), np.float32))
@@ -88,6 +113,8 @@ def test_pass_quantizes_every_linear_and_the_head_at_8_bits(model_dirs):
     head = g.outputs[0].producer
     assert head.op == "BlockQLinear" and head.attrs["bits"] == 8
     assert {q.attrs["bits"] for q in qs if q is not head} == {4}
+    # the head's 8-bit codes are symmetric (Q8_0): no offsets; the 4-bit ones have them (Q4_1)
+    assert "offsets" not in head.weights and all("offsets" in q.weights for q in qs if q is not head)
     assert head.weights["qweight"].shape == (128, 64 // BLOCK, BLOCK)
     g.verify()
 
@@ -183,7 +210,8 @@ def test_lowering_is_matmulnbits_with_accuracy_by_rows(int4_bundles):
                 assert attrs["accuracy_level"] == (4 if int(rows) == 1 or attrs["bits"] == 8 else 0) and attrs["bits"] in (4, 8)
             seen[int(rows)] += len(mm) if name != m["decode_graph"] else 0
     assert seen[1] == seen[CHUNK] == 2 * 4 + 1  # q/k/v and gate/up merged (fuse_sibling_linears)
-    assert sum(n.op_type == "MatMulNBits" for n in onnx.load(root / m["graphs"][m["decode_graph"]]["instances"]["1"]["file"], load_external_data=False).graph.node) == 9
+    decode_ops = [n.op_type for n in onnx.load(root / m["graphs"][m["decode_graph"]]["instances"]["1"]["file"], load_external_data=False).graph.node]
+    assert decode_ops.count("MatMulNBits") == 9 and decode_ops.count("Gemm") == 8  # the symmetric head has no offsets' Gemm
     # after ONNX Runtime's optimisations the MatMulNBits nodes are still there (no float fallback)
     from llmc.runtime import Session
 
@@ -289,13 +317,13 @@ def test_plan_predicts_the_int4_program_from_a_config(tmp_path):
         plan_model(str(cfg), profile="8gen3", prompt_len=512, target="npu", weight_format="int4")
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_block_embedding_kernel_gathers_dequantized_rows(bits):
+@pytest.mark.parametrize("bits,symmetric", [(4, False), (8, False), (8, True)])
+def test_block_embedding_kernel_gathers_dequantized_rows(bits, symmetric):
     from llmc.runtime import kernels
 
     rng = np.random.default_rng(2)
     w = rng.standard_normal((50, 3 * BLOCK)).astype(np.float32)
-    codes, scales, offsets = quantize_blocks(w, bits)
+    codes, scales, offsets = quantize_blocks(w, bits, symmetric=symmetric)
     ids = np.array([7, 0, 49, 7, 13])
     got = kernels.block_embedding(ids, codes, scales, offsets, bits, 2.0)
     assert np.allclose(got, 2.0 * dequantize_blocks(codes, scales, offsets, bits)[ids], rtol=1e-6, atol=1e-6)

@@ -98,8 +98,8 @@ def test_quantized_bundle_quality(smol_bundles):
 
 
 def test_int4_bundle_quality(smol_bundles):
-    """--weights int4: the Q4_1 layers re-quantize onto their own grid and the Q8_0 head keeps 8 bits,
-    so perplexity stays within 1% of fp32 (measured 11.89 vs 11.84); decode's one-row graphs (int8
+    """--weights int4: the Q4_1 layers and the Q8_0 head re-quantize onto their own grids,
+    so perplexity stays within 1% of fp32 (measured 11.88 vs 11.84); decode's one-row graphs (int8
     activations per block) pick the same next token as the chunk graphs at >= 90% of
     teacher-forced positions (99% measured)."""
     from llmc.runtime import Session
