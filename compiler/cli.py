@@ -97,7 +97,8 @@ def cli(verbose: int) -> None:
               help="Processor of the static subgraphs: chosen by the cost model (auto), or all on the NPU / CPU.")
 @click.option("--prompt-len", type=click.IntRange(1), default=None, help="Prompt length the schedule's predictions are reported for (default: --max-context).")
 @click.option("--memory-budget", default=None,
-              help="Keep at most this many bytes of weights resident (e.g. 300MB, 1.5GB, 50% of the weight bytes); the rest streams from the bundle.")
+              help="Keep at most this many bytes of weights resident (e.g. 300MB, 1.5GB, or 50%: of the weights the graphs read whole, "
+                   "not the tables read by row); the rest streams from the bundle.")
 @click.option("--prefetch-depth", type=click.IntRange(0), default=2, show_default=True, help="[--memory-budget] Steps of streamed weights read ahead.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None, help="Cache for calibration results and dequantized GGUF models (default: $LLMC_CACHE_DIR or ~/.cache/llmc).")
 @click.option("--no-cache", is_flag=True, help="Do not read or write the cache (a GGUF is then dequantized into a temporary directory under $TMPDIR, deleted once loaded).")
@@ -177,7 +178,8 @@ def _peak_rss_mb() -> float:
 @click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True, help="[cpu] Plan the int4 weight-only program (as compile --weights int4).")
 @click.option("--kv-cache", type=click.Choice(["float32", "int8"]), default="float32", show_default=True, help="Plan with an int8 KV cache (as compile --kv-cache int8).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C.")
-@click.option("--memory-budget", default=None, help="Plan weight offloading under this budget (e.g. 2GB, 50%).")
+@click.option("--memory-budget", default=None,
+              help="Plan weight offloading under this budget (e.g. 2GB, or 50%: of the weights the graphs read whole, not the tables read by row).")
 @click.option("--prefetch-depth", type=click.IntRange(0), default=2, show_default=True, help="Steps of streamed weights read ahead.")
 @click.option("--shadow-keep", type=click.FloatRange(0, 1), default=1.0, show_default=True,
               help="Fraction of Linear inputs that keep a shadow path (llm.npu prunes 85%: 0.15).")
@@ -304,7 +306,11 @@ def _generation_options(fn):
 
 def _sampling(mode, temperature, top_k, top_p, seed, no_eos) -> dict:
     """The keyword arguments of ``Session.stream`` for these options (warns about a lone --seed)."""
-    if temperature is not None or top_k or top_p < 1.0:
+    sampling = [f for f, on in (("--temperature", temperature is not None), ("--top-k", bool(top_k)), ("--top-p", top_p < 1.0)) if on]
+    explicit = click.get_current_context().get_parameter_source("mode") == click.core.ParameterSource.COMMANDLINE
+    if sampling and mode == "greedy" and explicit:
+        raise click.UsageError(f"--greedy conflicts with {', '.join(sampling)}, which sample; give one or the other")
+    if sampling:
         mode = "sample"
     elif mode == "greedy" and seed is not None:
         click.echo("warning: --seed has no effect with greedy decoding; add --sample (or --temperature) to sample", err=True)
@@ -389,7 +395,7 @@ def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, 
     turn prefills only its own tokens. A line "/reset" starts a new
     conversation; "/exit" or the end of input quits.
     """
-    from llmc.runtime import Metrics, PromptTooLongError
+    from llmc.runtime import Metrics, PromptError, PromptTooLongError
     from llmc.runtime.chat import Conversation
 
     kw = _sampling(mode, temperature, top_k, top_p, seed, no_eos)
@@ -403,13 +409,19 @@ def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, 
             pass
     turns = tokens = 0
     while True:
-        if tty:
-            try:
-                line = input("> ") + "\n"
-            except EOFError:
-                line = ""
-        else:
-            line = sys.stdin.readline()
+        try:
+            if tty:
+                try:
+                    line = input("> ") + "\n"
+                except EOFError:
+                    line = ""
+            elif hasattr(sys.stdin, "buffer"):  # bytes that are not UTF-8 reach encode(), which names them
+                line = sys.stdin.buffer.readline().decode("utf-8", "surrogateescape")
+            else:
+                line = sys.stdin.readline()
+        except UnicodeDecodeError as e:
+            click.echo(f"error: the line is not valid UTF-8 (byte {e.start})", err=True)
+            continue
         if not line or line.strip() == "/exit":
             break
         user = line.rstrip("\n")
@@ -422,11 +434,13 @@ def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, 
         metrics = Metrics()
         try:
             events = conv.say(user, max_new_tokens, metrics=metrics, **kw)
-        except PromptTooLongError as e:  # the conversation is unchanged: the user can /reset and go on
+        except PromptError as e:  # the conversation is unchanged: at a terminal the user can go on (or /reset)
+            if not tty and isinstance(e, PromptTooLongError):
+                e.hint = "put a /reset line before this turn, or recompile with a larger --max-context"
+            if not tty:
+                _fail(e)
             click.echo(f"error: {e}", err=True)
             click.echo(f"hint: {e.hint}", err=True)
-            if not tty:
-                sys.exit(e.exit_code)
             continue
         for ev in events:
             click.echo(ev.text, nl=False)
@@ -593,6 +607,8 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
     sess = _make_session(bundle, "auto", threads)
     result: dict = {"bundle": str(bundle)}
     if text_file is not None:
+        if sess.tokenizer is None:
+            raise click.UsageError(f"{bundle} has no tokenizer, so --text cannot be tokenized; compile it from a model with tokenizer files")
         ids = sess.encode(_read_text(text_file, "--text"))
         if max_tokens:
             ids = ids[:max_tokens]

@@ -36,21 +36,28 @@ class CompileSummary:
     decode_graph: bool = False  # the bundle also has the one-graph decode (fuse_decode_graph)
 
 
-# Compile options that passes read: the option, its flag, the passes that read it.
+# Compile options that passes read: the option, its flag, the passes that read it, where it applies.
 _CALIBRATION = ("calibrate", "calibrate_ranges")
+_NPU = "it applies to --target npu"
+_COST = "the default pipelines of every target have it"
 _READ_BY = {
-    "shadow": ("--no-shadow", ("extract_shadow_outliers",)),
-    "clip_percentile": ("--clip-percentile", ("extract_shadow_outliers",)),
-    "shadow_keep": ("--shadow-keep", ("extract_shadow_outliers",)),
-    "pruned_percentile": ("--pruned-percentile", ("extract_shadow_outliers",)),
-    "hot_budget": ("--hot-budget", ("extract_shadow_outliers",)),
-    "weight_granularity": ("--weight-granularity", ("quantize",)),
-    "calib_file": ("--calib", _CALIBRATION),
-    "calib_tokens": ("--calib-tokens", _CALIBRATION),
+    "shadow": ("--no-shadow", ("extract_shadow_outliers",), _NPU),
+    "clip_percentile": ("--clip-percentile", ("extract_shadow_outliers",), _NPU),
+    "shadow_keep": ("--shadow-keep", ("extract_shadow_outliers",), _NPU),
+    "pruned_percentile": ("--pruned-percentile", ("extract_shadow_outliers",), _NPU),
+    "hot_budget": ("--hot-budget", ("extract_shadow_outliers",), _NPU),
+    "weight_granularity": ("--weight-granularity", ("quantize",), _NPU),
+    "calib_file": ("--calib", _CALIBRATION, _NPU + " and --kv-cache int8"),
+    "calib_tokens": ("--calib-tokens", _CALIBRATION, _NPU + " and --kv-cache int8"),
+    "memory_budget": ("--memory-budget", ("plan_offload",), _COST),
+    "placement": ("--placement", ("place",), _COST),
+    "profile": ("--profile", ("place",), _COST),
+    "prompt_len": ("--prompt-len", ("schedule",), _COST),
 }
 
 
-def check_early(options: CompileOptions, names: list[str], target: str, soc: str | None, explicit: Iterable[str]) -> None:
+def check_early(options: CompileOptions, names: list[str], target: str, soc: str | None, explicit: Iterable[str],
+                qnn_skip: str | None = None) -> None:
     """Option errors that would otherwise surface after loading, tracing and calibrating: an unreadable
     --memory-budget, a missing --calib file, a cache directory that cannot be made, and options that
     nothing in this compile reads (``explicit``: the ones the user set)."""
@@ -61,10 +68,24 @@ def check_early(options: CompileOptions, names: list[str], target: str, soc: str
         parse_size(options.memory_budget, total=1)  # the syntax only: a percentage is of the weight bytes, known later
     if options.calib_file is not None and not Path(options.calib_file).is_file():
         raise CompileError(f"--calib {options.calib_file}: no such file", hint="pass a UTF-8 text file, or leave --calib out for the default text")
-    for key, (flag, readers) in _READ_BY.items():
+    for key, (flag, readers, where) in _READ_BY.items():
         if key in explicit and not set(readers) & set(names):
             raise CompileError(f"{flag} has no effect here: the pipeline has no {readers[0]} pass",
-                               hint="it applies to --target npu" + (" and --kv-cache int8" if readers is _CALIBRATION else ""))
+                               hint=f"{where}; add {readers[0]} to --pipeline, or drop {flag}")
+    if options.prompt_len is not None and options.prompt_len > options.max_context:
+        raise CompileError(f"--prompt-len {options.prompt_len} is longer than --max-context {options.max_context}",
+                           hint="predictions are for prompts the bundle accepts: give at most --max-context, or raise --max-context")
+    if options.calib_file is not None:
+        try:
+            Path(options.calib_file).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise CompileError(f"--calib {options.calib_file} is not UTF-8 text (byte {e.start})",
+                               hint="convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or leave --calib out for the default text") from e
+        except OSError as e:
+            raise CompileError(f"--calib {options.calib_file}: {e.strerror or e}", hint="pass a readable UTF-8 text file") from e
+    if target == "npu" and soc is not None and not qnn_skip and "calibrate_ranges" not in names:
+        raise CompileError("the QNN context binaries (--soc) need the ranges of calibrate_ranges, which the pipeline does not have",
+                           hint="add calibrate_ranges to --pipeline (after quantize), or drop --soc")
     if explicit & {"qnn_shard_mb", "qnn_shard_graphs"} and (target != "npu" or soc is None):
         raise CompileError("--qnn-shard-mb and --qnn-shard-graphs apply to the QNN context binaries: --target npu --soc SOC")
     if explicit & {"mlir_dialect", "repro_dir"} and target != "mlir":
@@ -185,6 +206,8 @@ def compile_model(
             qnn_skip = qnn_available()
     default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
     check_kv_cache_format(kv_cache)
+    if pipeline is not None and not pipeline.strip():
+        raise CompileError("--pipeline is empty", hint="name the passes (see `llmc passes`), or leave --pipeline out for the target's default")
     passes = parse_pipeline(pipeline or default_pipeline(default), REGISTRY)  # fail fast on a bad --pipeline
     if kv_cache == "int8":
         passes = parse_pipeline(",".join(with_kv_cache([p.name for p in passes])), REGISTRY)
@@ -213,7 +236,7 @@ def compile_model(
         raise CompileError(f"unknown compile option: {e}") from None
     if "quantize_int4" in names:
         check_options(options)  # before loading the model
-    check_early(options, names, target, soc, explicit)
+    check_early(options, names, target, soc, explicit, qnn_skip)
     seconds: dict[str, float] = {}
     notify = progress or (lambda stage: None)
 

@@ -245,6 +245,16 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
 
     transformers.utils.logging.disable_progress_bar()  # the CLI owns the terminal
     scratch = None
+    if kwargs.get("gguf_file") and cache_dir:
+        gguf_cache = Path(cache_dir) / "gguf"
+        try:
+            gguf_cache.mkdir(parents=True, exist_ok=True)
+            if not os.access(gguf_cache, os.W_OK | os.X_OK):
+                raise PermissionError(f"{gguf_cache} is not writable")
+        except OSError as e:  # a cache that cannot be written only costs time: convert as with --no-cache
+            log.warning("cannot write the dequantized %s into the cache %s (%s); converting it into a temporary directory instead",
+                        description, gguf_cache, e.strerror or e)
+            cache_dir = None
     if kwargs.get("gguf_file") and not cache_dir:
         try:
             scratch = Path(tempfile.mkdtemp(prefix="llmc-gguf-"))
@@ -268,8 +278,14 @@ def _load(source: str, directory: Path | str, kwargs: dict[str, Any], descriptio
     else:
         cached = Path(cache_dir) / "gguf" / fingerprint[:32] if cache_dir and kwargs.get("gguf_file") else None
     if cached is not None and (cached / "config.json").is_file():
-        log.info("using the dequantized copy of %s in %s", description, cached)
-        directory, kwargs = cached, {"local_files_only": True}
+        try:
+            Checkpoint(cached)  # reads every header: a truncated or damaged copy is converted again
+        except ModelLoadError as e:
+            log.warning("the cached dequantized copy of %s is damaged (%s); converting the GGUF again", description, e)
+            shutil.rmtree(cached, ignore_errors=True)
+        else:
+            log.info("using the dequantized copy of %s in %s", description, cached)
+            directory, kwargs = cached, {"local_files_only": True}
     with _offline(), _gguf_parsed_once():
         if cached is not None and kwargs.get("gguf_file") and _convert_gguf(directory, kwargs["gguf_file"], cached, source):
             directory, kwargs = cached, {"local_files_only": True}  # read like any checkpoint directory from here on
@@ -464,8 +480,12 @@ def _streamed(directory: Path, config: Any) -> tuple[Any, Checkpoint] | None:
 
 def _save_dequantized(model: Any, tokenizer: Any, path: Path) -> bool:
     """Write the dequantized model next to the calibration cache, atomically; False if it could not be written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
+    except OSError as e:
+        log.warning("could not cache the dequantized model in %s: %s", path, e.strerror or e)
+        return False
     try:
         from safetensors.torch import save_model
 

@@ -119,7 +119,9 @@ class PassTiming(Instrument):
 
 
 class IRDump(Instrument):
-    """Writes the IR after each pass to ``DIR/NN-<pass>.ir`` (and the input as 00-input.ir)."""
+    """Writes the IR after each pass to ``DIR/NN-<pass>.ir`` (and the input as 00-input.ir); the
+    ``NN-*.ir`` files of an earlier dump into ``DIR`` are removed first, so one dump is never
+    mixed with another."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
@@ -128,6 +130,8 @@ class IRDump(Instrument):
     def before_pass(self, p, graph):
         if self.count == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+            for old in self.directory.glob("[0-9][0-9]-*.ir"):
+                old.unlink()
             (self.directory / "00-input.ir").write_text(graph.format() + "\n")
         self.count += 1
 
@@ -170,8 +174,8 @@ def run_pipeline(graph: Graph, passes: list[Pass], ctx: PassContext, instruments
             result = p.run(graph, ctx)
             graph.verify()
         except LlmcError as e:
-            if not isinstance(e, PassError) and done:
-                log.error("pass %s failed after %s", p.name, ", ".join(done))
+            if not isinstance(e, PassError) and done:  # the CLI reports the error itself; where it stopped is for -v
+                log.info("pass %s stopped after %s", p.name, ", ".join(done))
             raise
         except Exception as e:
             raise PassError(

@@ -168,8 +168,12 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
     from llmc.passes import DEFAULT_PIPELINES
     from llmc.passes.quantize_int4 import check_weight_format
 
+    from llmc.units import parse_size
+
     if prompt_len < 1:
         raise CompileError(f"--prompt-len must be at least 1, is {prompt_len}")
+    if memory_budget is not None:
+        parse_size(memory_budget, total=1)  # the syntax, before the slow part; a percentage's base is known later
     if target not in ("npu", "cpu"):
         raise CompileError(f"llmc plan supports --target npu or cpu, not {target!r}")
     if weight_format == "int4" and pipeline is None:

@@ -15,7 +15,7 @@ def parse_size(text: str, total: int | None = None) -> int:
     s = str(text).strip().lower().replace(" ", "")
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)(%|[a-z]*)", s)
     if not m or (m.group(2) != "%" and m.group(2) not in _UNITS):
-        raise CompileError(f"cannot read the size {text!r}", hint="write it like 300MB, 1.5GB, 512MiB or 50% (of the weight bytes)")
+        raise CompileError(f"cannot read the size {text!r}", hint="write it like 300MB, 1.5GB, 512MiB or 50% (of the weights the graphs read whole)")
     value, unit = float(m.group(1)), m.group(2)
     if unit == "%":
         if total is None:

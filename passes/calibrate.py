@@ -22,6 +22,8 @@ import functools
 import hashlib
 import json
 import logging
+import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +56,11 @@ def calibration_text(options) -> tuple[str, str]:
         path = Path(options.calib_file)
         if not path.is_file():
             raise CompileError(f"calibration file {path} does not exist", hint="pass a UTF-8 text file to --calib")
-        return str(path), path.read_text(encoding="utf-8", errors="replace")
+        try:
+            return str(path), path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise CompileError(f"calibration file {path} is not UTF-8 text (byte {e.start})",
+                               hint="convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or leave --calib out for the default text") from e
     return default_corpus()
 
 
@@ -192,15 +198,27 @@ class Calibrate(Pass):
             arrays[p + "hist"] = st.hist
             arrays[p + "channel_absmax"] = st.channel_absmax
             arrays[p + "channel_hist"] = st.channel_hist
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez_compressed(tmp, **arrays)
-        tmp.replace(path)
+        tmp = None
+        try:  # a cache that cannot be written only costs time; a unique temporary name per compile
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f"{key}.", suffix=".tmp.npz", delete=False) as f:
+                tmp = Path(f.name)
+                np.savez_compressed(f, **arrays)
+            tmp.replace(path)
+        except OSError as e:
+            log.warning("could not cache the calibration in %s: %s", path, e.strerror or e)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
 
     def _load(self, ctx, key) -> CalibrationStats | None:
         path = self._path(ctx, key)
         if path is None or not path.is_file():
             return None
+
+        def build(d):
+            absmax, count = d["scalars"]
+            return TensorStats(float(absmax), int(count), d["hist"], d["channel_absmax"], d["channel_hist"])
+
         try:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
@@ -210,12 +228,7 @@ class Calibrate(Pass):
                         continue
                     name, field = k.split("|")
                     table.setdefault(name, {})[field] = z[k]
-        except (OSError, ValueError, KeyError) as e:
-            log.warning("ignoring unreadable calibration cache %s: %s", path, e)
+            return CalibrationStats(meta["corpus"], meta["tokens"], {k: build(v) for k, v in table.items()})
+        except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:  # truncated, corrupt or foreign
+            log.warning("ignoring the unreadable calibration cache %s (%s: %s); calibrating again", path, type(e).__name__, e)
             return None
-
-        def build(d):
-            absmax, count = d["scalars"]
-            return TensorStats(float(absmax), int(count), d["hist"], d["channel_absmax"], d["channel_hist"])
-
-        return CalibrationStats(meta["corpus"], meta["tokens"], {k: build(v) for k, v in table.items()})

@@ -43,7 +43,8 @@ share in the rest of the budget for each, and keeps the split with the lowest
 predicted time per token (with prefetching).
 
 Runs only when ``memory_budget`` is set (bytes, or a percentage of the dense
-weight bytes); produces :class:`llmc.analyses.OffloadPlan`.
+weight bytes: the weights the graphs read whole, not the embedding and shadow
+tables read by row); produces :class:`llmc.analyses.OffloadPlan`.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ if "numpy" not in _sys.modules:
     for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         _os.environ.setdefault(_var, "1")
 
-from llmc.runtime.errors import BundleError, LlmcRuntimeError, PromptTooLongError, ProviderError, TokenIdError
+from llmc.runtime.errors import BundleError, LlmcRuntimeError, PromptError, PromptTooLongError, ProviderError, TokenIdError
 from llmc.runtime.manifest import SCHEMA_VERSION, load_manifest
 from llmc.runtime.session import GenerationResult, Metrics, Session, TokenEvent
 
 __all__ = [
-    "BundleError", "GenerationResult", "LlmcRuntimeError", "Metrics", "PromptTooLongError", "ProviderError", "TokenIdError",
+    "BundleError", "GenerationResult", "LlmcRuntimeError", "Metrics", "PromptError", "PromptTooLongError", "ProviderError", "TokenIdError",
     "SCHEMA_VERSION", "Session", "TokenEvent", "load_manifest",
 ]

@@ -27,7 +27,7 @@ import time
 from typing import Any, Iterator, Sequence
 
 from llmc.runtime.errors import BundleError, ChatTemplateError, PromptTooLongError
-from llmc.runtime.session import Metrics, Session, TokenEvent
+from llmc.runtime.session import Metrics, Session, TokenEvent, check_utf8
 
 
 def _environment():
@@ -113,6 +113,8 @@ class Conversation:
     """A multi-turn chat on ``session``: :meth:`say` one user turn at a time."""
 
     def __init__(self, session: Session, system: str | None = None) -> None:
+        if system is not None:
+            check_utf8(system, "the system message")
         self.session = session
         self.template = ChatTemplate.of(session)
         self.system = system
@@ -126,6 +128,7 @@ class Conversation:
 
     def prompt_ids(self, user: str) -> list[int]:
         """The token ids of the conversation with ``user`` as the next turn, ready for the reply."""
+        check_utf8(user, "the message")
         text = self.template.render([*self.messages, {"role": "user", "content": user}])
         return self.session.encode(text, add_special_tokens=False)
 

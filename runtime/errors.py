@@ -17,16 +17,18 @@ class BundleError(LlmcRuntimeError):
     exit_code = 5
 
 
-class PromptTooLongError(LlmcRuntimeError):
-    """The prompt does not fit the bundle's --max-context."""
+class PromptError(LlmcRuntimeError):
+    """A prompt the bundle cannot take: text that is not UTF-8, text for a bundle without a tokenizer, ..."""
 
     exit_code = 6
 
 
-class TokenIdError(LlmcRuntimeError):
+class PromptTooLongError(PromptError):
+    """The prompt does not fit the bundle's --max-context (or is empty)."""
+
+
+class TokenIdError(PromptError):
     """A token id is outside the bundle's vocabulary."""
-
-    exit_code = 6
 
 
 class ProviderError(LlmcRuntimeError):

@@ -27,7 +27,7 @@ import numpy as np
 from llmc.runtime import kernels
 from llmc.runtime.binding import BoundGraph
 from llmc.runtime.decode_graph import DecodeGraphRunner
-from llmc.runtime.errors import BundleError, PromptTooLongError, ProviderError, TokenIdError
+from llmc.runtime.errors import BundleError, PromptError, PromptTooLongError, ProviderError, TokenIdError
 from llmc.runtime.manifest import SHAPE_ERRORS, load_manifest, map_weights, resolve_inside, shape_error
 from llmc.runtime.ort_attention import OrtAttention, check_int8_cache_support
 from llmc.runtime.residency import Residency
@@ -88,6 +88,15 @@ ONE_THREAD_BYTES = 8 << 20
 # token by token through it instead of as a padded chunk: SmolLM2 at C = 256 prefills a chunk in about
 # 0.5 s and decodes a token in about 10-16 ms, so 16 tokens cost at most half a padded chunk.
 TAIL_DIVISOR = 16
+
+
+def check_utf8(text: str, what: str) -> None:
+    """``PromptError`` if ``text`` holds bytes that were not UTF-8 (kept as surrogates by Python's
+    ``surrogateescape``, as command-line arguments and standard input are in some locales)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"{what} is not valid UTF-8 (character {e.start})", hint="pass UTF-8 text") from None
 
 
 def tokens_in_graph(n: int, chunk: int, always: bool) -> int:
@@ -705,7 +714,9 @@ class Session:
         """Token ids of ``text``; ``add_special_tokens=False`` leaves out what the tokenizer adds on
         its own (a BOS), as for text rendered from a chat template, which writes its own."""
         if self.tokenizer is None:
-            raise BundleError(f"{self.bundle} has no tokenizer; pass token ids instead of text", hint="compile from a model directory that has tokenizer files")
+            raise PromptError(f"{self.bundle} has no tokenizer, so it cannot take text",
+                              hint="pass token ids (llmc run --prompt-ids), or compile from a model directory that has tokenizer files")
+        check_utf8(text, "the text")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode_text(self, ids: Sequence[int]) -> str:

@@ -57,6 +57,8 @@ def test_sampling_flags(bundles):
     a = json.loads(invoke("run", b, "--prompt", "the cat", "--temperature", "0.8", "--seed", 3, "--no-eos", "--json").output)
     c = json.loads(invoke("run", b, "--prompt", "the cat", "--temperature", "0.8", "--seed", 3, "--no-eos", "--json").output)
     assert a["token_ids"] == c["token_ids"]
+    r = invoke("run", b, "--prompt", "the cat", "--greedy", "--temperature", "0.8", "--top-p", "0.5")
+    assert r.exit_code == 2 and "--greedy conflicts with --temperature, --top-p" in r.output, r.output
 
 
 def test_sampling_options_imply_sampling_and_a_full_context_is_said(bundles):
@@ -124,6 +126,18 @@ def test_errors_have_messages_and_exit_codes(bundles, tmp_path):
     long_prompt = " ".join(["cat"] * 100)
     r = invoke("run", bundles("llama"), "--prompt", long_prompt)
     assert r.exit_code == 6 and "--max-context" in r.output
+    r = invoke("run", bundles("llama"), "--prompt", "caf\udce9")  # a non-UTF-8 argument, as Python's surrogateescape keeps it
+    assert r.exit_code == 6 and "the text is not valid UTF-8 (character 3)" in r.output, r.output
+    notok = tmp_path / "no-tokenizer"  # as a bundle of a model without tokenizer files
+    shutil.copytree(bundles("llama"), notok)
+    m = json.loads((notok / "manifest.json").read_text())
+    m["tokenizer"] = {"eos_token_ids": m["tokenizer"]["eos_token_ids"]}
+    write_manifest(notok, m)
+    (tmp_path / "t.txt").write_text("the cat sat on the mat")
+    r = invoke("eval", notok, "--text", tmp_path / "t.txt")
+    assert r.exit_code == 2 and "has no tokenizer, so --text cannot be tokenized" in r.output, r.output
+    r = invoke("run", notok, "--prompt", "the cat")
+    assert r.exit_code == 6 and "has no tokenizer" in r.output and "--prompt-ids" in r.output, r.output
 
     d = tmp_path / "tampered"
     shutil.copytree(bundles("llama"), d)
@@ -172,6 +186,8 @@ def test_options_are_checked_before_the_slow_stages(model_dirs, tmp_path, caplog
     directories that cannot be made are refused before loading the model (usage errors, nothing written)."""
     m = model_dirs("llama")
     (tmp_path / "file").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait ".encode("latin-1") * 50)
+    cut = ["--pipeline", "dce,select_logit_rows,chunk_static_graphs"]
     cases = [
         (["--no-shadow"], "--no-shadow has no effect here: the pipeline has no extract_shadow_outliers pass"),
         (["--weight-granularity", "tensor"], "--weight-granularity has no effect here"),
@@ -183,6 +199,13 @@ def test_options_are_checked_before_the_slow_stages(model_dirs, tmp_path, caplog
         (["--target", "npu", "--qnn-shard-mb", "64"], "apply to the QNN context binaries"),
         (["--cache-dir", str(tmp_path / "file" / "cache"), "--target", "npu"], "cannot use the cache directory"),
         (["--dump-ir", str(tmp_path / "file" / "ir")], "cannot create"),
+        (["--pipeline", ""], "--pipeline is empty"),
+        (["--memory-budget", "50%", *cut], "--memory-budget has no effect here: the pipeline has no plan_offload pass"),
+        (["--placement", "cpu", *cut], "--placement has no effect here: the pipeline has no place pass"),
+        (["--profile", "8elite", *cut], "--profile has no effect here"),
+        (["--prompt-len", "20", *cut], "--prompt-len has no effect here: the pipeline has no schedule pass"),
+        (["--prompt-len", "100"], "--prompt-len 100 is longer than --max-context 32"),
+        (["--target", "npu", "--calib", str(tmp_path / "latin1.txt")], "is not UTF-8 text (byte 3)"),
     ]
     for args, message in cases:
         r = invoke("compile", m, "-o", tmp_path / "o", "--chunk", CHUNK, "--max-context", 32, *args)
@@ -199,17 +222,25 @@ def test_options_are_checked_before_the_slow_stages(model_dirs, tmp_path, caplog
                "--pipeline", "dce,select_logit_rows,calibrate_ranges,chunk_static_graphs")
     assert r.exit_code == 0, r.output
     import llmc.runtime.qnn as qnn
+    from llmc.passes import DEFAULT_PIPELINES
 
     real = qnn.qnn_available
     qnn.qnn_available = lambda: "onnxruntime-qnn is not installed"
     try:
         r = invoke("compile", m, "-o", tmp_path / "ok3", "--chunk", CHUNK, "--max-context", 32, "--target", "npu", "--soc", "8gen3",
                    "--qnn-shard-mb", 64, "--calib", words, "--calib-tokens", 64, "--quiet")
+        assert r.exit_code == 0 and "QNN part skipped: onnxruntime-qnn is not installed" in r.output, r.output
+        qnn.qnn_available = lambda: None  # as if it were installed: the QNN part needs calibrate_ranges
+        no_ranges = ",".join(p for p in DEFAULT_PIPELINES["npu-qnn"].split(",") if p != "calibrate_ranges")
+        r = invoke("compile", m, "-o", tmp_path / "o", "--target", "npu", "--soc", "8gen3", "--pipeline", no_ranges)
+        assert r.exit_code == 2 and "need the ranges of calibrate_ranges" in r.output and "[1/6] load" not in r.output, r.output
     finally:
         qnn.qnn_available = real
-    assert r.exit_code == 0 and "QNN part skipped: onnxruntime-qnn is not installed" in r.output, r.output
     r = invoke("plan", m, "--profile", "9gen9")
     assert r.exit_code == 2 and "unknown device profile '9gen9'" in r.output, r.output
+    caplog.clear()
+    r = invoke("plan", m, "--memory-budget", "abc")
+    assert r.exit_code == 2 and "cannot read the size 'abc'" in r.output and "failed after" not in caplog.text, r.output
     r = invoke("profile-host", "-o", tmp_path / "file" / "host.json")
     assert r.exit_code == 2 and "cannot write" in r.output and "measuring" not in r.output, r.output
 
@@ -233,3 +264,35 @@ def test_bench_json(bundles):
         assert f["min"] <= f["median"] <= f["max"] and f["median"] > 0
     r = invoke("bench", bundles("llama"), "--prompt-len", 100)
     assert r.exit_code == 2 and "max context" in r.output
+
+
+def test_dump_ir_replaces_an_earlier_dump(model_dirs, tmp_path):
+    d = tmp_path / "ir"
+    for pipeline in (None, "dce,select_logit_rows,chunk_static_graphs"):
+        args = ["--pipeline", pipeline] if pipeline else []
+        r = invoke("compile", model_dirs("llama"), "-o", tmp_path / "b", "--chunk", CHUNK, "--max-context", 32, "--dump-ir", d, "--quiet", *args)
+        assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in d.iterdir()) == ["00-input.ir", "01-dce.ir", "02-select_logit_rows.ir", "03-chunk_static_graphs.ir"]
+
+
+def test_a_broken_calibration_cache_costs_only_time(model_dirs, tmp_path, caplog):
+    """A corrupt cache entry is calibrated again and replaced; a cache that cannot be written is a warning."""
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    m, cache = model_dirs("llama"), tmp_path / "cache"
+    words = tmp_path / "words.txt"
+    words.write_text("the cat sat on the mat " * 40)
+    common = ["--target", "npu", "--chunk", CHUNK, "--max-context", 32, "--calib", words, "--calib-tokens", 64, "--quiet"]
+    assert invoke("compile", m, "-o", tmp_path / "a", "--cache-dir", cache, *common).exit_code == 0
+    (entry,) = (cache / "calibration").glob("*.npz")
+    entry.write_bytes(b"PK\x03\x04garbage")
+    r = invoke("compile", m, "-o", tmp_path / "b", "--cache-dir", cache, *common)
+    assert r.exit_code == 0 and "ignoring the unreadable calibration cache" in caplog.text, r.output
+    assert entry.stat().st_size > 100 and not list((cache / "calibration").glob("*.tmp.npz"))  # replaced
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "calibration").write_text("")  # a file where the directory should be
+    caplog.clear()
+    r = invoke("compile", m, "-o", tmp_path / "c", "--cache-dir", blocked, *common)
+    assert r.exit_code == 0 and "could not cache the calibration" in caplog.text, r.output
