@@ -43,6 +43,7 @@ import logging
 from llmc.analyses import DecodeGraph, Subgraph
 from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
+from llmc.runtime.ort_attention import GQA_HEAD_MULTIPLE
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ def why_not(graph: Graph) -> str | None:
     for n in attns:
         if len(n.inputs) != 5 or [v.name for v in n.inputs[3:]] != [v.name for v in table.outputs]:
             return f"{n.name} does not take its rotation from {table.name}"
+        if n.attrs["head_dim"] % GQA_HEAD_MULTIPLE:
+            return f"{n.name} has heads of {n.attrs['head_dim']}, and ONNX Runtime's GroupQueryAttention needs a multiple of {GQA_HEAD_MULTIPLE}"
     return None
 
 

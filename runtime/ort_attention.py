@@ -148,7 +148,9 @@ class OrtAttention:
 
     @staticmethod
     def supports(attrs: dict[str, Any]) -> bool:
-        return not attrs["sliding_window"]
+        """Whether this class runs the Attention step of ``attrs`` (else the numpy kernel does): no
+        sliding window, and a head size ONNX Runtime's node takes."""
+        return not attrs["sliding_window"] and attrs["head_dim"] % GQA_HEAD_MULTIPLE == 0
 
     def prepare(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rotary_dim: int = 0, one_row: bool = True, *,
                 layer: int, **_: Any) -> None:
@@ -290,6 +292,9 @@ def check_int8_cache_support(ort: Any, bundle: Any) -> None:
         need = ".".join(map(str, INT8_CACHE_MIN_ORT))
         raise BundleError(f"{bundle} has an int8 KV cache (--kv-cache int8), which onnxruntime {ort.__version__} cannot run",
                           hint=f"pip install 'onnxruntime>={need}', or recompile with --kv-cache float32")
+
+
+GQA_HEAD_MULTIPLE = 8  # ONNX Runtime's GroupQueryAttention refuses other head sizes ("head_size must be a multiple of 8")
 
 
 def node_rotates(rotary_dim: int, head_dim: int) -> bool:

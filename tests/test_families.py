@@ -65,3 +65,29 @@ def test_tied_embedding_stored_once(bundles):
     head = m["graphs"]["head"]
     emb = [s for s in m["program"] if s.get("op") == "Embedding"][0]
     assert emb["weights"]["table"] in head["weights"]
+
+
+@pytest.mark.parametrize("head_dim", [20, 12])
+def test_head_sizes_onnx_runtimes_attention_refuses(head_dim, tmp_path):
+    """ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 8: other sizes attend
+    in the runtime's own kernel, prefill and decode, and the bundle has no one-graph decode."""
+    import json
+
+    import torch
+    import transformers as T
+
+    from conftest import COMMON, MAX_CONTEXT, make_tokenizer
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    torch.manual_seed(0)
+    d = tmp_path / "model"
+    T.AutoModelForCausalLM.from_config(T.LlamaConfig(**{**COMMON, "head_dim": head_dim})).save_pretrained(d)
+    make_tokenizer().save_pretrained(d)
+    out = tmp_path / "bundle"
+    compile_model(str(d), out, chunk=CHUNK, max_context=MAX_CONTEXT)
+    assert json.loads((out / "manifest.json").read_text()).get("decode_graph") is None
+    sess = Session(out)
+    ids = prompt(CHUNK + 5)
+    np.testing.assert_allclose(sess.prefill(ids, all_logits=True), hf_logits(d, ids), atol=2e-4, rtol=1e-4)
+    assert sess.generate(ids, 6, stop_at_eos=False).token_ids == hf_greedy(d, ids, 6)
