@@ -99,24 +99,25 @@ def test_quantized_bundle_quality(smol_bundles):
 
 def test_int4_bundle_quality(smol_bundles):
     """--weights int4: the Q4_1 layers and the Q8_0 head re-quantize onto their own grids,
-    so perplexity stays within 1% of fp32 (measured 11.88 vs 11.84); decode's one-row graphs (int8
-    activations per block) pick the same next token as the chunk graphs at >= 90% of
-    teacher-forced positions (99% measured)."""
+    so perplexity stays within 1% of fp32 (measured 11.88 vs 11.84) and the greedy token is fp32's at
+    >= 95% of held-out positions; decode's one-row graphs (int8 activations per block) pick the same
+    next token as the chunk graphs at >= 90% of teacher-forced positions (98% measured)."""
     from llmc.runtime import Session
-    from llmc.runtime.evaluate import agreement, perplexity
+    from llmc.runtime.evaluate import perplexity
 
     cpu, q4 = Session(smol_bundles["cpu"]), Session(smol_bundles["int4"])
     ids = cpu.encode(heldout_english())[:1024]
     p_cpu, p_q4 = perplexity(cpu, ids).perplexity, perplexity(q4, ids).perplexity
     assert p_q4 <= 1.01 * p_cpu, (p_q4, p_cpu)
-    a = agreement(q4, cpu, ["The capital of France is", "Once upon a time, there was a", "Photosynthesis is the process by which"], new_tokens=16)
-    assert a.teacher_forced >= 0.95, a
+    # teacher-forced greedy agreement with fp32 over 400 held-out positions (98.5-99.5% measured)
     q4.reset()
-    full = q4.prefill(ids[:161], all_logits=True)
+    cpu.reset()
+    full = q4.prefill(ids[:400], all_logits=True)
+    assert np.mean(full.argmax(1) == cpu.prefill(ids[:400], all_logits=True).argmax(1)) >= 0.95
     q4.reset()
     q4.prefill(ids[:100])
-    steps = np.stack([q4.decode(t) for t in ids[100:160]])
-    assert np.mean(steps.argmax(1) == full[100:160].argmax(1)) >= 0.9
+    steps = np.stack([q4.decode(t) for t in ids[100:300]])
+    assert np.mean(steps.argmax(1) == full[100:300].argmax(1)) >= 0.9
     # the tied embedding reads the head's codes: no float table, the whole file under a quarter of fp32's
     m = json.loads((smol_bundles["int4"] / "manifest.json").read_text())
     assert m["program"][0]["op"] == "BlockEmbedding"
@@ -127,12 +128,12 @@ def test_int4_bundle_quality(smol_bundles):
 def test_int8_kv_cache_quality(smol_bundles, tmp_path):
     """--kv-cache int8 on the int4 bundle: per-channel scales from calibration keep perplexity within
     1% of the float32 cache (4,094 held-out tokens in windows of 2,048: 8.1148 vs 8.1131) and
-    teacher-forced greedy agreement with it at >= 90% (94.5% measured on 8 prompts; 97.7% of 300
-    held-out positions, where decode against prefill in one int4 bundle agrees at 98%), with a
-    quarter of the cache's bytes."""
+    teacher-forced greedy agreement with it at >= 90% of 300 held-out decode positions (97% measured;
+    decode against prefill in one int4 bundle agrees at 98%), with a quarter of the cache's bytes.
+    (Three prompts' 48 positions were too few: one token either way moved it by 2%.)"""
     from llmc.compile import compile_model
     from llmc.runtime import Session
-    from llmc.runtime.evaluate import agreement, perplexity
+    from llmc.runtime.evaluate import perplexity
 
     out = tmp_path / "int4-kv8"
     compile_model("smollm2-135m", out, target="cpu", weight_format="int4", kv_cache="int8", chunk=64, max_context=512,
@@ -141,8 +142,13 @@ def test_int8_kv_cache_quality(smol_bundles, tmp_path):
     ids = q4.encode(heldout_english())[:1024]
     p_q4, p_kv8 = perplexity(q4, ids).perplexity, perplexity(kv8, ids).perplexity
     assert p_kv8 <= 1.01 * p_q4, (p_kv8, p_q4)
-    a = agreement(kv8, q4, ["The capital of France is", "Once upon a time, there was a", "Photosynthesis is the process by which"], new_tokens=16)
-    assert a.teacher_forced >= 0.9, a
+    # teacher-forced decode over 300 held-out positions (decoding is where the cache is read most), both bundles
+    steps = {}
+    for name, s in (("q4", q4), ("kv8", kv8)):
+        s.reset()
+        s.prefill(ids[:100])
+        steps[name] = np.stack([s.decode(t) for t in ids[100:400]]).argmax(1)
+    assert np.mean(steps["kv8"] == steps["q4"]) >= 0.9, np.mean(steps["kv8"] == steps["q4"])
     assert kv8.cache.nbytes * 4 == q4.cache.nbytes
 
 
