@@ -543,6 +543,6 @@ def _write_tokenizer(loaded, root: Path) -> dict[str, Any]:
     if isinstance(template, str):
         info["chat_template"] = template
         # the strings a template may write (bos_token, eos_token, ...), as apply_chat_template passes them
-        info["special_tokens"] = {k: v for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+        info["special_tokens"] = {k: v for k in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
                                   if isinstance(v := getattr(tok, k, None), str)}
     return info

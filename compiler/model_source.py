@@ -245,8 +245,8 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
 
     transformers.utils.logging.disable_progress_bar()  # the CLI owns the terminal
     scratch = None
-    if kwargs.get("gguf_file") and cache_dir:
-        gguf_cache = Path(cache_dir) / "gguf"
+    if kwargs.get("gguf_file") and cache_dir and not (_gguf_cache_entry(cache_dir, directory, kwargs["gguf_file"]) / "config.json").is_file():
+        gguf_cache = Path(cache_dir) / "gguf"  # a copy there is read even when the cache cannot be written
         try:
             gguf_cache.mkdir(parents=True, exist_ok=True)
             if not os.access(gguf_cache, os.W_OK | os.X_OK):
@@ -276,7 +276,7 @@ def _load(source: str, directory: Path | str, kwargs: dict[str, Any], descriptio
     if scratch is not None:  # --no-cache: converted into a directory deleted when loading ends
         cached = scratch / "model"
     else:
-        cached = Path(cache_dir) / "gguf" / fingerprint[:32] if cache_dir and kwargs.get("gguf_file") else None
+        cached = _gguf_cache_entry(cache_dir, directory, kwargs["gguf_file"]) if cache_dir and kwargs.get("gguf_file") else None
     if cached is not None and (cached / "config.json").is_file():
         try:
             Checkpoint(cached)  # reads every header: a truncated or damaged copy is converted again
@@ -505,6 +505,11 @@ def _save_dequantized(model: Any, tokenizer: Any, path: Path) -> bool:
         shutil.rmtree(tmp, ignore_errors=True)
         return False
     return True
+
+
+def _gguf_cache_entry(cache_dir: str | Path, directory: Any, gguf_file: str) -> Path:
+    """Where the dequantized copy of ``directory/gguf_file`` is kept in ``cache_dir``."""
+    return Path(cache_dir) / "gguf" / _fingerprint(directory, gguf_file)[:32]
 
 
 def _fingerprint(directory: Any, gguf_file: str | None) -> str:

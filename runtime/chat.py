@@ -26,7 +26,7 @@ import json
 import time
 from typing import Any, Iterator, Sequence
 
-from llmc.runtime.errors import BundleError, ChatTemplateError, PromptTooLongError
+from llmc.runtime.errors import BundleError, ChatTemplateError, PromptError, PromptTooLongError
 from llmc.runtime.session import Metrics, Session, TokenEvent, check_utf8
 
 
@@ -82,9 +82,11 @@ class ChatTemplate:
         """The chat template of ``session``'s bundle (``BundleError`` if it has none)."""
         tok = session.manifest.get("tokenizer") or {}
         source = tok.get("chat_template")
-        if session.tokenizer is None or not source:
-            what = "no tokenizer" if session.tokenizer is None else "no chat template"
-            raise BundleError(f"{session.bundle} has {what}: its model did not come with a chat template",
+        if session.tokenizer is None:
+            raise PromptError(f"{session.bundle} has no tokenizer, so it cannot take text or chat",
+                              hint="pass token ids (llmc run --prompt-ids), or compile from a model directory that has tokenizer files")
+        if not source:
+            raise BundleError(f"{session.bundle} has no chat template: its model did not come with one",
                               hint="run it with a plain --prompt (no chat formatting), or compile an instruct model "
                                    "whose tokenizer config has a chat_template")
         if not isinstance(source, str):
@@ -103,7 +105,9 @@ class ChatTemplate:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **self.variables)
+            # tools and documents are None, as transformers passes them when there are none
+            return self._template.render(messages=list(messages), tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                                         **self.variables)
         except self._jinja2.TemplateError as e:
             raise ChatTemplateError(f"the model's chat template refused the conversation: {e}",
                                     hint="check the order of roles (many templates want user and assistant turns to alternate)") from e
@@ -118,26 +122,36 @@ class Conversation:
         self.session = session
         self.template = ChatTemplate.of(session)
         self.system = system
+        self._open: _Turn | None = None  # the reply being streamed
         self.reset()
 
     def reset(self) -> None:
         """Start over: no messages (but the system prompt), an empty cache."""
+        self._finish()
         self.messages: list[dict[str, str]] = [{"role": "system", "content": self.system}] if self.system else []
         self._cached: list[int] = []  # the token ids at the cache's positions 0..len-1
         self.session.reset()
 
     def prompt_ids(self, user: str) -> list[int]:
-        """The token ids of the conversation with ``user`` as the next turn, ready for the reply."""
+        """The token ids of the conversation with ``user`` as the next turn, ready for the reply
+        (a reply still streaming is ended and recorded first)."""
+        self._finish()
         check_utf8(user, "the message")
         text = self.template.render([*self.messages, {"role": "user", "content": user}])
         return self.session.encode(text, add_special_tokens=False)
 
     def say(self, user: str, max_new_tokens: int = 256, *, metrics: Metrics | None = None, **sampling: Any) -> Iterator[TokenEvent]:
-        """Add the user turn ``user`` and stream the reply. The reply is added to the conversation when
-        the stream ends. Raises :class:`PromptTooLongError` (nothing changed) if the conversation no
-        longer fits the bundle's context."""
+        """Add the user turn ``user`` and stream the reply.
+
+        The reply joins the conversation when its stream ends, is closed, or is left unfinished
+        when the next turn (or :meth:`reset`) starts: then with the tokens it had produced. Raises
+        :class:`PromptError` (nothing changed) if the conversation no longer fits the bundle's
+        context or renders to no tokens."""
         s = self.session
         ids = self.prompt_ids(user)
+        if not ids:
+            raise PromptTooLongError("the conversation renders to no tokens with the model's chat template",
+                                     hint="give a non-empty message")
         if len(ids) >= s.max_context:
             raise PromptTooLongError(
                 f"the conversation has {len(ids)} tokens with this turn; the bundle's --max-context is {s.max_context}",
@@ -154,18 +168,34 @@ class Conversation:
         events = s.continue_stream(ids[keep:], max_new_tokens, metrics=metrics, **sampling)
         self.messages.append({"role": "user", "content": user})
         self._cached = list(ids)
-        return self._reply(events)
+        turn = self._open = _Turn(events)
+        return self._reply(turn)
 
-    def _reply(self, events: Iterator[TokenEvent]) -> Iterator[TokenEvent]:
-        generated: list[int] = []
+    def _reply(self, turn: "_Turn") -> Iterator[TokenEvent]:
         try:
-            for ev in events:
-                generated.append(ev.token_id)
+            for ev in turn.events:
+                turn.generated.append(ev.token_id)
                 yield ev
         finally:
-            # The cache holds every generated token but the last; the reply's text (without an
-            # end-of-turn token) becomes the assistant's message.
-            self._cached += generated[:-1]
-            eos = self.session.eos_ids
-            text = self.session.decode_text([t for t in generated if t not in eos])
-            self.messages.append({"role": "assistant", "content": text})
+            self._finish(turn)
+
+    def _finish(self, turn: "_Turn | None" = None) -> None:
+        """Record the open reply (``turn``, if it is still the open one): the generated tokens the cache
+        holds (all but the last one yielded, which was never fed), and its text as the assistant's
+        message (without end-of-turn tokens)."""
+        if self._open is None or (turn is not None and turn is not self._open):
+            return
+        turn, self._open = self._open, None
+        turn.events.close()  # a stream left unfinished stops here; later next() calls end it
+        fed = max(0, self.session.position - len(self._cached))
+        self._cached += turn.generated[:fed]
+        eos = self.session.eos_ids
+        self.messages.append({"role": "assistant", "content": self.session.decode_text([t for t in turn.generated if t not in eos])})
+
+
+class _Turn:
+    """A reply being streamed: the session's token stream and the tokens it has yielded."""
+
+    def __init__(self, events: Iterator[TokenEvent]) -> None:
+        self.events = events
+        self.generated: list[int] = []

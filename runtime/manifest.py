@@ -15,7 +15,11 @@ from typing import Any
 
 from llmc.runtime.errors import BundleError
 
-SCHEMA_VERSION = 1
+# The version bundles are written with, and the versions this runtime reads. 2: a BlockQLinear or
+# BlockEmbedding may have no offsets (symmetric codes), and the tokenizer section may carry
+# special_tokens; a runtime that reads only 1 refuses such bundles instead of failing inside them.
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 
 
@@ -104,9 +108,9 @@ def load_manifest(bundle: str | Path, verify: bool = True) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as e:
         raise BundleError(f"{mpath} is not valid JSON: {e}", hint="the bundle is corrupt; recompile it") from e
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise BundleError(
-            f"{bundle}: manifest schema version {version!r}, this runtime reads version {SCHEMA_VERSION}",
+            f"{bundle}: manifest schema version {version!r}, this runtime reads versions {', '.join(map(str, READABLE_VERSIONS))}",
             hint="recompile the bundle with this version of llmc, or run it with the llmc that built it",
         )
     try:

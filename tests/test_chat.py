@@ -39,6 +39,12 @@ assistant: {% generation %}{{ message['content'] }}{% endgeneration %}{{ eos_tok
 {%- endfor %}
 {%- if add_generation_prompt %}assistant:{% endif %}"""
 
+# tools and documents are None when there are none; the special tokens a template may write
+TOOLS = ("{% if tools is not none %}[TOOLS]{% endif %}{% if tools is defined %}<tools>{{ tools | tojson }}</tools>{% endif %}"
+         "{% if documents is defined and documents is none %}(no documents){% endif %}"
+         "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ sep_token }}|{{ cls_token }}|{{ mask_token }}|{{ bos_token }}")
+SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
 MESSAGES = [
     {"role": "system", "content": "Be brief — réponds en français."},
     {"role": "user", "content": "  What is the capital of France?  "},
@@ -47,11 +53,13 @@ MESSAGES = [
 ]
 
 
-@pytest.mark.parametrize("template", [CHATML, LLAMA3, BLOCKS], ids=["chatml", "llama3", "blocks"])
+@pytest.mark.parametrize("template", [CHATML, LLAMA3, BLOCKS, TOOLS], ids=["chatml", "llama3", "blocks", "tools"])
 @pytest.mark.parametrize("generation_prompt", [True, False])
 def test_chat_template_renders_like_transformers(template, generation_prompt):
     tok = make_tokenizer()
-    variables = {k: getattr(tok, k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    tok.add_special_tokens({"sep_token": "[SEP]", "cls_token": "[CLS]", "mask_token": "[MASK]"})
+    variables = {k: v for k in SPECIAL if isinstance(v := getattr(tok, k), str)}  # as compile stores them
+    assert len(variables) == 7
     ours = ChatTemplate(template, variables).render(MESSAGES, add_generation_prompt=generation_prompt)
     theirs = tok.apply_chat_template(MESSAGES, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt)
     assert ours == theirs
@@ -87,6 +95,20 @@ def chat_bundle(tmp_path_factory):
     out = root / "bundle"
     compile_model(str(d), out, chunk=8, max_context=96)
     return out
+
+
+def test_a_bundle_without_a_tokenizer_cannot_chat(chat_bundle, tmp_path):
+    import shutil
+
+    from conftest import write_manifest
+
+    d = tmp_path / "no-tokenizer"
+    shutil.copytree(chat_bundle, d)
+    m = json.loads((d / "manifest.json").read_text())
+    m["tokenizer"] = {"eos_token_ids": m["tokenizer"]["eos_token_ids"]}
+    write_manifest(d, m)
+    r = invoke("run", d, "--chat", "--prompt", "the cat")
+    assert r.exit_code == 6 and "has no tokenizer" in r.output and "--prompt-ids" in r.output, r.output
 
 
 def test_manifest_keeps_the_template_and_its_tokens(chat_bundle):
@@ -136,6 +158,40 @@ def test_conversation_rewinds_where_the_history_changed(chat_bundle):
     ids2 = conv.prompt_ids("the dog")
     reply2 = [e.token_id for e in conv.say("the dog", 5, stop_at_eos=False)]
     assert reply2 == _greedy(Session(chat_bundle), ids2, 5)
+
+
+def test_a_reply_left_unfinished_is_recorded_with_what_it_produced(chat_bundle):
+    """A reply stream never iterated, or superseded by the next turn while still open, joins the
+    conversation with the tokens it yielded; the cache and the record of it stay in step, so the
+    next turn replies what a fresh session replies to the whole conversation."""
+    conv = Conversation(Session(chat_bundle))
+    g = conv.say("the cat", 4, stop_at_eos=False)
+    del g  # never iterated: the prompt was prefilled and a first token sampled, none fed
+    ids = conv.prompt_ids("the dog")
+    assert [m["role"] for m in conv.messages] == ["user", "assistant"] and conv.messages[1]["content"] == ""
+    reply = [e.token_id for e in conv.say("the dog", 4, stop_at_eos=False)]
+    assert reply == _greedy(Session(chat_bundle), ids, 4)
+
+    conv.reset()
+    g1 = conv.say("the cat", 5, stop_at_eos=False)
+    first = [next(g1).token_id for _ in range(3)]
+    g2 = conv.say("the dog", 5, stop_at_eos=False)  # g1 is ended and recorded with its 3 tokens
+    next(g2)
+    g1.close()
+    assert list(g1) == []
+    list(g2)
+    assert [m["role"] for m in conv.messages] == ["user", "assistant", "user", "assistant"]
+    assert conv.messages[1]["content"] == conv.session.decode_text(first)
+    ids3 = conv.prompt_ids("the king")
+    reply3 = [e.token_id for e in conv.say("the king", 6, stop_at_eos=False)]
+    assert reply3 == _greedy(Session(chat_bundle), ids3, 6)
+
+
+def test_a_conversation_that_renders_to_nothing_is_refused(chat_bundle):
+    conv = Conversation(Session(chat_bundle))
+    conv.template = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(PromptTooLongError, match="renders to no tokens"):
+        conv.say("")
 
 
 def test_conversation_too_long_changes_nothing(chat_bundle):
@@ -193,6 +249,8 @@ def test_cli_chat_and_run_chat(chat_bundle, bundles):
 
     r = invoke("chat", bundles("llama"), input="the cat\n")
     assert r.exit_code == 5 and "no chat template" in r.output and "hint:" in r.output
+    r = invoke("chat", chat_bundle, input=b"caf\xe9\n")
+    assert r.exit_code == 6 and "the message is not valid UTF-8" in r.output, r.output
     r = invoke("run", chat_bundle, "--chat", "--prompt-ids", "4,5")
     assert r.exit_code == 2 and "--chat" in r.output
     r = invoke("run", chat_bundle, "--system", "x", "--prompt", "the cat")

@@ -281,3 +281,31 @@ def test_chat_matches_hf_chat_template_and_greedy_over_two_turns(smol):
         assert reply == seq[len(ids):], user
         messages.append(conv.messages[-1])
     assert "Paris" in conv.messages[1]["content"] and "Rome" in conv.messages[3]["content"]
+
+
+def test_a_gguf_cache_that_cannot_be_written_or_is_damaged_costs_only_time(smol_bundles, tmp_path, monkeypatch, caplog):
+    """A cache that cannot be written still serves the copy it has; without one the GGUF is converted in a
+    temporary directory (still tensor by tensor); a damaged cached copy is converted again."""
+    import logging
+
+    from llmc import model_source
+
+    caplog.set_level(logging.INFO, logger="llmc.model_source")
+    with monkeypatch.context() as m:
+        m.setattr(model_source.os, "access", lambda *a, **k: False)  # as for a user who cannot write there
+        loaded = model_source.load("smollm2-135m", cache_dir=smol_bundles["cache"])
+    assert loaded.checkpoint is not None and "using the dequantized copy" in caplog.text and "cannot write" not in caplog.text
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "gguf").write_text("")  # a file where the cache's directory should be
+    caplog.clear()
+    loaded = model_source.load("smollm2-135m", cache_dir=blocked)
+    assert loaded.checkpoint is not None and "converting it into a temporary directory instead" in caplog.text
+    path = model_source.bundled_model_path("smollm2-135m")
+    entry = model_source._gguf_cache_entry(tmp_path / "damaged", path.parent, path.name)
+    entry.mkdir(parents=True)
+    (entry / "config.json").write_text("{}")
+    (entry / "model.safetensors").write_bytes(b"\x00\x01")  # truncated
+    caplog.clear()
+    loaded = model_source.load("smollm2-135m", cache_dir=tmp_path / "damaged")
+    assert loaded.checkpoint is not None and "is damaged" in caplog.text and (entry / "model.safetensors").stat().st_size > 10**8
