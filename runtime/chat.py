@@ -114,7 +114,8 @@ class ChatTemplate:
 
 
 class Conversation:
-    """A multi-turn chat on ``session``: :meth:`say` one user turn at a time."""
+    """A multi-turn chat on ``session``: :meth:`say` one user turn at a time. The conversation owns the
+    session's cache: running the session otherwise between turns needs :meth:`reset` after."""
 
     def __init__(self, session: Session, system: str | None = None) -> None:
         if system is not None:
