@@ -53,6 +53,7 @@ def cli(verbose: int) -> None:
     \b
     llmc compile smollm2-135m --target cpu -o out/
     llmc run out/ --prompt "The capital of France is"
+    llmc chat out/
     """
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
