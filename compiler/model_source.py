@@ -245,7 +245,7 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
 
     transformers.utils.logging.disable_progress_bar()  # the CLI owns the terminal
     scratch = None
-    if kwargs.get("gguf_file") and cache_dir and not (_gguf_cache_entry(cache_dir, directory, kwargs["gguf_file"]) / "config.json").is_file():
+    if kwargs.get("gguf_file") and cache_dir and not _intact_copy(_gguf_cache_entry(cache_dir, directory, kwargs["gguf_file"])):
         gguf_cache = Path(cache_dir) / "gguf"  # a copy there is read even when the cache cannot be written
         try:
             gguf_cache.mkdir(parents=True, exist_ok=True)
@@ -278,10 +278,8 @@ def _load(source: str, directory: Path | str, kwargs: dict[str, Any], descriptio
     else:
         cached = _gguf_cache_entry(cache_dir, directory, kwargs["gguf_file"]) if cache_dir and kwargs.get("gguf_file") else None
     if cached is not None and (cached / "config.json").is_file():
-        try:
-            Checkpoint(cached)  # reads every header: a truncated or damaged copy is converted again
-        except ModelLoadError as e:
-            log.warning("the cached dequantized copy of %s is damaged (%s); converting the GGUF again", description, e)
+        if not _intact_copy(cached):  # truncated or damaged: converted again
+            log.warning("the cached dequantized copy of %s in %s is damaged; converting the GGUF again", description, cached)
             shutil.rmtree(cached, ignore_errors=True)
         else:
             log.info("using the dequantized copy of %s in %s", description, cached)
@@ -503,6 +501,18 @@ def _save_dequantized(model: Any, tokenizer: Any, path: Path) -> bool:
     except Exception as e:  # a cache that cannot be written only costs time
         log.warning("could not cache the dequantized model in %s: %s", path, e)
         shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    return True
+
+
+def _intact_copy(entry: Path) -> bool:
+    """Whether ``entry`` holds a dequantized copy to load: its config and checkpoint files whose
+    headers read and whose tensors lie inside them."""
+    if not (entry / "config.json").is_file():
+        return False
+    try:
+        Checkpoint(entry)
+    except (ModelLoadError, OSError):
         return False
     return True
 

@@ -144,8 +144,9 @@ class Conversation:
     def say(self, user: str, max_new_tokens: int = 256, *, metrics: Metrics | None = None, **sampling: Any) -> Iterator[TokenEvent]:
         """Add the user turn ``user`` and stream the reply.
 
-        The reply joins the conversation when its stream ends, is closed, or is left unfinished
-        when the next turn (or :meth:`reset`) starts: then with the tokens it had produced. Raises
+        The reply joins the conversation when its stream ends or is closed after its first token,
+        and otherwise (never read, or left unfinished) when the next turn, :meth:`prompt_ids` or
+        :meth:`reset` starts: always with the tokens it had produced. Raises
         :class:`PromptError` (nothing changed) if the conversation no longer fits the bundle's
         context or renders to no tokens."""
         s = self.session

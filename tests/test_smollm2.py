@@ -307,5 +307,11 @@ def test_a_gguf_cache_that_cannot_be_written_or_is_damaged_costs_only_time(smol_
     (entry / "config.json").write_text("{}")
     (entry / "model.safetensors").write_bytes(b"\x00\x01")  # truncated
     caplog.clear()
+    with monkeypatch.context() as m:  # damaged and not writable: converted in a temporary directory, the cache untouched
+        m.setattr(model_source.os, "access", lambda *a, **k: False)
+        loaded = model_source.load("smollm2-135m", cache_dir=tmp_path / "damaged")
+    assert loaded.checkpoint is not None and "converting it into a temporary directory instead" in caplog.text
+    assert (entry / "model.safetensors").stat().st_size == 2
+    caplog.clear()
     loaded = model_source.load("smollm2-135m", cache_dir=tmp_path / "damaged")
     assert loaded.checkpoint is not None and "is damaged" in caplog.text and (entry / "model.safetensors").stat().st_size > 10**8
