@@ -388,13 +388,15 @@ def _stop_note(sess, metrics, max_new_tokens) -> None:
 @click.option("--system", default=None, help="A system message that opens the conversation.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=256, show_default=True, help="Longest reply.")
 @_generation_options
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per turn (reply text, ids, finish reason, timings) instead of streaming text.")
 @_guard
-def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, no_eos, provider, threads, no_prefetch):
+def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, no_eos, provider, threads, no_prefetch, as_json):
     """Chat with an instruct model's BUNDLE: one user turn per line of standard input.
 
-    Replies stream to standard output. The KV cache is kept across turns, so a
-    turn prefills only its own tokens. A line "/reset" starts a new
-    conversation; "/exit" or the end of input quits.
+    Replies stream to standard output (with --json, one JSON object per line
+    and turn). The KV cache is kept across turns, so a turn prefills only its
+    own tokens. A line "/reset" starts a new conversation; "/exit" or the end
+    of input quits.
     """
     from llmc.runtime import Metrics, PromptError, PromptTooLongError
     from llmc.runtime.chat import Conversation
@@ -443,11 +445,19 @@ def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, 
             click.echo(f"error: {e}", err=True)
             click.echo(f"hint: {e.hint}", err=True)
             continue
+        ids = []
         for ev in events:
-            click.echo(ev.text, nl=False)
-        click.echo()
-        _stop_note(sess, metrics, max_new_tokens)
+            ids.append(ev.token_id)
+            if not as_json:
+                click.echo(ev.text, nl=False)
         turns += 1
+        if as_json:
+            stopped = "eos" if kw["stop_at_eos"] and ids[-1] in sess.eos_ids else "length" if len(ids) >= max_new_tokens else "context"
+            click.echo(json.dumps({"turn": turns, "user": user, "text": conv.messages[-1]["content"], "token_ids": ids, "finish_reason": stopped,
+                                   "context_tokens": sess.position, "timings": metrics.as_dict()}))
+        else:
+            click.echo()
+            _stop_note(sess, metrics, max_new_tokens)
         tokens += metrics.generated_tokens
         log.info("turn %d: %d new prompt tokens, %d generated; TTFT %.0f ms, decode %.1f tok/s", turns, metrics.prompt_tokens,
                  metrics.generated_tokens, metrics.ttft_s * 1000, metrics.decode_tok_s)

@@ -240,6 +240,15 @@ def test_cli_chat_and_run_chat(chat_bundle, bundles):
     assert r.exit_code == 0, r.output
     assert "[new conversation]" in r.output and "[2 turns, 8 tokens generated" in r.output
 
+    r = invoke("chat", chat_bundle, "--json", "--max-new-tokens", 3, "--no-eos", input="the cat\nthe dog\n")
+    assert r.exit_code == 0, r.output
+    turns = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [t["turn"] for t in turns] == [1, 2] and all(len(t["token_ids"]) == 3 and t["finish_reason"] == "length" for t in turns)
+    assert turns[1]["timings"]["prompt_tokens"] < turns[1]["context_tokens"] - 2  # the second turn prefilled only its own tokens
+    conv = Conversation(Session(chat_bundle))
+    list(conv.say("the cat", 3, stop_at_eos=False))
+    assert turns[0]["text"] == conv.messages[-1]["content"]
+
     r = invoke("run", chat_bundle, "--chat", "--system", "the king", "--prompt", "the cat", "--max-new-tokens", 4, "--no-eos", "--json")
     assert r.exit_code == 0, r.output
     res = json.loads(r.output)
