@@ -452,7 +452,7 @@ def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, 
                 click.echo(ev.text, nl=False)
         turns += 1
         if as_json:
-            stopped = "eos" if kw["stop_at_eos"] and ids[-1] in sess.eos_ids else "length" if len(ids) >= max_new_tokens else "context"
+            stopped = sess.finish_reason(ids, max_new_tokens, kw["stop_at_eos"])
             click.echo(json.dumps({"turn": turns, "user": user, "text": conv.messages[-1]["content"], "token_ids": ids, "finish_reason": stopped,
                                    "context_tokens": sess.position, "timings": metrics.as_dict()}))
         else:

@@ -66,8 +66,6 @@ def check_early(options: CompileOptions, names: list[str], target: str, soc: str
     explicit = set(explicit)
     if options.memory_budget is not None:
         parse_size(options.memory_budget, total=1)  # the syntax only: a percentage is of the weight bytes, known later
-    if options.calib_file is not None and not Path(options.calib_file).is_file():
-        raise CompileError(f"--calib {options.calib_file}: no such file", hint="pass a UTF-8 text file, or leave --calib out for the default text")
     for key, (flag, readers, where) in _READ_BY.items():
         if key in explicit and not set(readers) & set(names):
             raise CompileError(f"{flag} has no effect here: the pipeline has no {readers[0]} pass",
@@ -76,13 +74,9 @@ def check_early(options: CompileOptions, names: list[str], target: str, soc: str
         raise CompileError(f"--prompt-len {options.prompt_len} is longer than --max-context {options.max_context}",
                            hint="predictions are for prompts the bundle accepts: give at most --max-context, or raise --max-context")
     if options.calib_file is not None:
-        try:
-            Path(options.calib_file).read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise CompileError(f"--calib {options.calib_file} is not UTF-8 text (byte {e.start})",
-                               hint="convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or leave --calib out for the default text") from e
-        except OSError as e:
-            raise CompileError(f"--calib {options.calib_file}: {e.strerror or e}", hint="pass a readable UTF-8 text file") from e
+        from llmc.passes.calibrate import read_calib_file
+
+        read_calib_file(options.calib_file)  # missing, unreadable or not UTF-8: before loading the model
     if target == "npu" and soc is not None and not qnn_skip and "calibrate_ranges" not in names:
         raise CompileError("the QNN context binaries (--soc) need the ranges of calibrate_ranges, which the pipeline does not have",
                            hint="add calibrate_ranges to --pipeline (after quantize), or drop --soc")

@@ -244,46 +244,49 @@ def load(source: str, cache_dir: str | Path | None = None) -> LoadedModel:
                                  hint="bundled models: " + ", ".join(BUNDLED))
 
     transformers.utils.logging.disable_progress_bar()  # the CLI owns the terminal
-    scratch = None
-    if kwargs.get("gguf_file") and cache_dir and not _intact_copy(_gguf_cache_entry(cache_dir, directory, kwargs["gguf_file"])):
-        gguf_cache = Path(cache_dir) / "gguf"  # a copy there is read even when the cache cannot be written
-        try:
-            gguf_cache.mkdir(parents=True, exist_ok=True)
-            if not os.access(gguf_cache, os.W_OK | os.X_OK):
-                raise PermissionError(f"{gguf_cache} is not writable")
-        except OSError as e:  # a cache that cannot be written only costs time: convert as with --no-cache
-            log.warning("cannot write the dequantized %s into the cache %s (%s); converting it into a temporary directory instead",
-                        description, gguf_cache, e.strerror or e)
-            cache_dir = None
-    if kwargs.get("gguf_file") and not cache_dir:
+    # Where a GGUF's dequantized copy is read from or converted into: the cache's entry (read even when
+    # the cache cannot be written, if it is intact), else a temporary directory deleted when loading ends.
+    scratch = cached = None
+    intact = False
+    if kwargs.get("gguf_file") and cache_dir:
+        cached = _gguf_cache_entry(cache_dir, directory, kwargs["gguf_file"])
+        intact = _intact_copy(cached)
+        if not intact:
+            try:
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                if not os.access(cached.parent, os.W_OK | os.X_OK):
+                    raise PermissionError(f"{cached.parent} is not writable")
+            except OSError as e:  # a cache that cannot be written only costs time: convert as with --no-cache
+                log.warning("cannot write the dequantized %s into the cache %s (%s); converting it into a temporary directory instead",
+                            description, cached.parent, e.strerror or e)
+                cached = None
+    if kwargs.get("gguf_file") and cached is None:
         try:
             scratch = Path(tempfile.mkdtemp(prefix="llmc-gguf-"))
+            cached = scratch / "model"
         except OSError as e:  # no usable $TMPDIR: transformers' whole-model load still works
             log.warning("cannot create a temporary directory for the dequantized %s (%s); loading the whole model into memory", description, e)
     try:
-        return _load(source, directory, kwargs, description, cache_dir, scratch)
+        return _load(source, directory, kwargs, description, cached, intact, scratch)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _load(source: str, directory: Path | str, kwargs: dict[str, Any], description: str, cache_dir: str | Path | None,
+def _load(source: str, directory: Path | str, kwargs: dict[str, Any], description: str, cached: Path | None, intact: bool,
           scratch: Path | None) -> LoadedModel:
+    """Load the model; a GGUF through ``cached``, its dequantized copy (``intact``: there and readable; in
+    ``scratch``, a temporary directory, with --no-cache)."""
     import torch
     import transformers
 
     fingerprint = _fingerprint(directory, kwargs.get("gguf_file"))
-    if scratch is not None:  # --no-cache: converted into a directory deleted when loading ends
-        cached = scratch / "model"
-    else:
-        cached = _gguf_cache_entry(cache_dir, directory, kwargs["gguf_file"]) if cache_dir and kwargs.get("gguf_file") else None
-    if cached is not None and (cached / "config.json").is_file():
-        if not _intact_copy(cached):  # truncated or damaged: converted again
-            log.warning("the cached dequantized copy of %s in %s is damaged; converting the GGUF again", description, cached)
-            shutil.rmtree(cached, ignore_errors=True)
-        else:
-            log.info("using the dequantized copy of %s in %s", description, cached)
-            directory, kwargs = cached, {"local_files_only": True}
+    if intact:
+        log.info("using the dequantized copy of %s in %s", description, cached)
+        directory, kwargs = cached, {"local_files_only": True}
+    elif cached is not None and (cached / "config.json").is_file():  # truncated or damaged: converted again
+        log.warning("the cached dequantized copy of %s in %s is damaged; converting the GGUF again", description, cached)
+        shutil.rmtree(cached, ignore_errors=True)
     with _offline(), _gguf_parsed_once():
         if cached is not None and kwargs.get("gguf_file") and _convert_gguf(directory, kwargs["gguf_file"], cached, source):
             directory, kwargs = cached, {"local_files_only": True}  # read like any checkpoint directory from here on

@@ -50,17 +50,24 @@ def default_corpus() -> tuple[str, str]:
     return "pydoc_data.topics (Python reference documentation)", text
 
 
+def read_calib_file(path: str | Path) -> str:
+    """The text of ``--calib`` ``path``; a named error if it is missing, unreadable or not UTF-8."""
+    path = Path(path)
+    if not path.is_file():
+        raise CompileError(f"--calib {path}: no such file", hint="pass a UTF-8 text file, or leave --calib out for the default text")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CompileError(f"--calib {path} is not UTF-8 text (byte {e.start})",
+                           hint="convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or leave --calib out for the default text") from e
+    except OSError as e:
+        raise CompileError(f"--calib {path}: {e.strerror or e}", hint="pass a readable UTF-8 text file") from e
+
+
 def calibration_text(options) -> tuple[str, str]:
     """(name, text) of the calibration corpus: ``--calib FILE`` or the built-in one."""
     if options.calib_file:
-        path = Path(options.calib_file)
-        if not path.is_file():
-            raise CompileError(f"calibration file {path} does not exist", hint="pass a UTF-8 text file to --calib")
-        try:
-            return str(path), path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise CompileError(f"calibration file {path} is not UTF-8 text (byte {e.start})",
-                               hint="convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8), or leave --calib out for the default text") from e
+        return str(options.calib_file), read_calib_file(options.calib_file)
     return default_corpus()
 
 

@@ -724,19 +724,9 @@ class Session:
             return " ".join(map(str, ids))
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def stream(
-        self,
-        prompt: str | Sequence[int],
-        max_new_tokens: int = 64,
-        *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop_at_eos: bool = True,
-        metrics: Metrics | None = None,
-    ) -> Iterator[TokenEvent]:
-        """Yield generated tokens one at a time, from an empty context. ``temperature=0`` is greedy."""
+    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kw: Any) -> Iterator[TokenEvent]:
+        """Yield generated tokens one at a time, from an empty context; ``kw`` as :meth:`continue_stream`
+        (sampling, ``stop_at_eos``, ``metrics``)."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
             raise PromptTooLongError("the prompt is empty", hint="give at least one token")
@@ -746,8 +736,7 @@ class Session:
                 hint="shorten the prompt, or recompile with a larger --max-context",
             )
         self.reset()
-        return self.continue_stream(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                                    stop_at_eos=stop_at_eos, metrics=metrics)
+        return self.continue_stream(ids, max_new_tokens, **kw)
 
     def continue_stream(
         self,
@@ -762,6 +751,7 @@ class Session:
         metrics: Metrics | None = None,
     ) -> Iterator[TokenEvent]:
         """Feed ``ids`` after what the cache holds (``position``), then yield generated tokens.
+        ``temperature=0`` is greedy.
 
         The last token yielded is not fed: the cache then holds the context, ``ids`` and
         every generated token but the last (a conversation feeds it with its next turn)."""
@@ -795,10 +785,10 @@ class Session:
         metrics = Metrics()
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         out = [e.token_id for e in self.stream(ids, max_new_tokens, metrics=metrics, **kw)]
-        if out and kw.get("stop_at_eos", True) and out[-1] in self.eos_ids:
-            reason = "eos"
-        elif len(out) >= max_new_tokens:
-            reason = "length"
-        else:
-            reason = "context"
-        return GenerationResult(ids, out, self.decode_text(out), reason, metrics)
+        return GenerationResult(ids, out, self.decode_text(out), self.finish_reason(out, max_new_tokens, kw.get("stop_at_eos", True)), metrics)
+
+    def finish_reason(self, token_ids: Sequence[int], max_new_tokens: int, stop_at_eos: bool = True) -> str:
+        """Why a generation of ``token_ids`` stopped: ``"eos"``, ``"length"`` (``max_new_tokens``) or ``"context"`` (full)."""
+        if token_ids and stop_at_eos and token_ids[-1] in self.eos_ids:
+            return "eos"
+        return "length" if len(token_ids) >= max_new_tokens else "context"
