@@ -21,8 +21,9 @@ Linear          Gemm(x, W, b, transB=1) — W stays [out, in], shared with a tie
 RMSNorm         RMSNormalization(x, offset + w, axis=-1)
 LayerNorm       LayerNormalization(x, w, b, axis=-1)
 Act             Sigmoid·x (silu), Gelu(approximate=none|tanh)
-QLinear         QuantizeLinear, DequantizeLinear (x and W), MatMul, + bias as Sum
-                (ONNX Runtime fuses the pattern into MatMulIntegerToFloat)
+QLinear         QuantizeLinear, DequantizeLinear (x: uint8; W: int8, zero point 0),
+                MatMul, + bias as Sum (ONNX Runtime fuses the pattern into
+                MatMulIntegerToFloat; see llmc.runtime.cpu for the int8 weights)
 BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for the
                 codes, then (when the weights have offsets) Gemm(block sums of x,
                 offsets, C = that result) (+ bias as Add); the block sums (Reshape, ReduceSum) once per input and
@@ -143,7 +144,7 @@ class _Builder:
             wq, ws = self.weight(n.weights["qweight"]), self.weight(n.weights["wscale"])
             out_f = n.weights["qweight"].shape[1]
             per_channel = n.weights["wscale"].shape != (1,)
-            wzp = self.const(f"{n.name}.w_zero_point", np.full(out_f if per_channel else (), a["w_zero_point"], np.uint8))
+            wzp = self.const(f"{n.name}.w_zero_point", np.full(out_f if per_channel else (), a["w_zero_point"], np.int8))
             attrs = {"axis": 1} if per_channel else {}
             if not per_channel:
                 self.scalar_weights.add(ws)

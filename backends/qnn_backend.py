@@ -9,8 +9,8 @@ in the form the QNN HTP backend runs without CPU fallback:
   Linear outputs);
 * a ``QLinear`` keeps the bundle's W8A8 numerics: its input is quantized to the
   plan's uint8 grid, then re-expressed exactly in uint16 (scale / 256, zero point
-  128 * 256) so the HTP MatMul group (uint16 in and out, uint8 weights with
-  per-channel zero point 128 — the same bytes as the CPU graphs) sees exactly
+  128 * 256) so the HTP MatMul group (uint16 in and out, symmetric int8
+  weights, zero point 0 — the same bytes as the CPU graphs) sees exactly
   the 8-bit input values; weight bytes are shared with ``weights/weights.bin``;
 * small constants (norm scales, biases, scalar multipliers) are quantized inline.
 
@@ -135,7 +135,7 @@ class _Builder:
             w = self.weights[wname]
             t = TensorProto()
             t.name = wname
-            t.data_type = {"uint8": TensorProto.UINT8, "float32": TensorProto.FLOAT}[w["dtype"]]
+            t.data_type = {"int8": TensorProto.INT8, "uint8": TensorProto.UINT8, "float32": TensorProto.FLOAT}[w["dtype"]]
             t.dims.extend(w["shape"])
             t.data_location = TensorProto.EXTERNAL
             for k, v in (("location", w["file"]), ("offset", str(w["offset"])), ("length", str(w["nbytes"]))):
@@ -166,7 +166,7 @@ class _Builder:
             out_f = qw.shape[1]
             per_channel = ws.shape != (1,)
             wsc = self.load(ws.name)
-            wz = self.const(f"{out}.wz", np.full(out_f if per_channel else (), a["w_zero_point"], np.uint8))
+            wz = self.const(f"{out}.wz", np.full(out_f if per_channel else (), a["w_zero_point"], np.int8))
             wsn = self.const(f"{out}.ws", wsc if per_channel else np.float32(wsc[0]))
             self.add("DequantizeLinear", [self.ext_weight(qw.name), wsn, wz], [f"{out}.w"], f"{out}.wdq", **({"axis": 1} if per_channel else {}))
             lo, hi = self.ranges[out]
@@ -348,7 +348,7 @@ def emit_qnn(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], 
         "soc_model": int(soc_model),
         "versions": versions(),
         "activations": "uint16 QDQ on every tensor; Linear inputs on the plan's uint8 grid, carried exactly in uint16",
-        "weights": "uint8 with per-channel zero point 128 (symmetric int8 values), shared bytes with weights/weights.bin",
+        "weights": "symmetric int8 (zero point 0), per channel or per tensor, shared bytes with weights/weights.bin",
         "graphs": graphs,
         "binaries": binaries,
         "x86_64_route": "qdq-onnx: the x86_64 HTP simulator cannot load weight-shared context binaries, so on x86_64 the runtime "

@@ -108,8 +108,8 @@ def _qlinear(node: "Node"):
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {in_f}")
     if node.weights["wscale"].shape not in ((out_f,), (1,)):
         raise ValueError("weight scale must be per output channel or per tensor")
-    if node.weights["qweight"].dtype != "uint8":
-        raise ValueError("quantized weights must be uint8 (int8 values offset by w_zero_point)")
+    if node.weights["qweight"].dtype != "int8":
+        raise ValueError("quantized weights must be int8 (symmetric, zero point w_zero_point = 0)")
     return [((_rows(node), out_f), "float32")]
 
 

@@ -18,8 +18,10 @@ from llmc.runtime.errors import BundleError
 # The version bundles are written with, and the versions this runtime reads. 2: a BlockQLinear or
 # BlockEmbedding may have no offsets (symmetric codes), and the tokenizer section may carry
 # special_tokens; a runtime that reads only 1 refuses such bundles instead of failing inside them.
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: W8A8 weights are int8 (zero point 0), not uint8 + 128; a runtime before 3 would run them on
+# u8 x s8 kernels that saturate on x86 CPUs without VNNI (llmc.runtime.cpu), so it refuses them.
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from llmc.runtime import kernels
 from llmc.runtime.binding import BoundGraph
+from llmc.runtime.cpu import int8_session_options
 from llmc.runtime.decode_graph import DecodeGraphRunner
 from llmc.runtime.errors import BundleError, PromptError, PromptTooLongError, ProviderError, TokenIdError
 from llmc.runtime.manifest import SHAPE_ERRORS, load_manifest, map_weights, resolve_inside, shape_error
@@ -387,6 +388,7 @@ class Session:
         # of sleeping and being woken (SmolLM2, same-process A/B at ~400 tokens:
         # int4 108 vs 74 tok/s, W8A8 67 vs 49; without spinning one thread beat two).
         spin = graph == self._decode_graph
+        int8_session_options(so)
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         if rows > 1:
             # One memory arena for the chunk-sized sessions: each one's own would keep its peak

@@ -34,6 +34,16 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_l
               num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_cpu_detection():
+    """Tests that force the int8 kernel choice (``LLMC_INT8_EXACT_KERNELS``) leave no cached answer behind."""
+    from llmc.runtime import cpu
+
+    cpu.u8s8_is_exact.cache_clear()
+    yield
+    cpu.u8s8_is_exact.cache_clear()
+
+
 def family_configs():
     import transformers as T
 

@@ -179,7 +179,7 @@ def test_quantize_rewrites_only_linears(model_dirs, calib_file):
         if op != "Linear":
             assert after[op] == before[op], op
     q = g.node("model.layers.0.self_attn.q_proj.q")
-    assert "bias" in q.weights and q.weights["qweight"].dtype == "uint8"
+    assert "bias" in q.weights and q.weights["qweight"].dtype == "int8" and q.attrs["w_zero_point"] == 0
 
 
 def test_quantize_weight_roundtrip():
@@ -188,10 +188,10 @@ def test_quantize_weight_roundtrip():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((6, 10)).astype(np.float32)
     q, s = quantize_weight(w, per_channel=True)
-    assert q.shape == (10, 6) and q.dtype == np.uint8 and s.shape == (6,)
-    deq = (q.astype(np.float32) - 128) * s
+    assert q.shape == (10, 6) and q.dtype == np.int8 and s.shape == (6,)
+    deq = q.astype(np.float32) * s
     np.testing.assert_allclose(deq.T, w, atol=float(s.max()) / 2 + 1e-6)
-    assert (q.astype(int) - 128).min() >= -127
+    assert q.min() >= -127 and q.max() <= 127 and np.abs(q).max(axis=0).tolist() == [127] * 6  # symmetric: each channel reaches 127
     q, s = quantize_weight(w, per_channel=False)
     assert s.shape == (1,)
 
@@ -209,7 +209,7 @@ def test_quantize_weight_in_blocks_matches_whole_matrix(per_channel, monkeypatch
     q, s = quantize.quantize_weight(w, per_channel)
     amax = np.abs(w).max(axis=1) if per_channel else np.array([np.abs(w).max()], np.float32)
     scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    want = (np.clip(np.rint(w / (scale[:, None] if per_channel else scale)), -127, 127) + 128).astype(np.uint8).T
+    want = (np.clip(np.rint(w / (scale[:, None] if per_channel else scale)), -127, 127)).astype(np.int8).T
     np.testing.assert_array_equal(s, scale)
     np.testing.assert_array_equal(q, want)
     assert q.flags.c_contiguous
@@ -228,13 +228,17 @@ def npu_bundles(tmp_path_factory, model_dirs, calib_file):
     return out
 
 
-@pytest.mark.parametrize("granularity", ["channel", "tensor"])
-def test_npu_bundle_runs_integer_graphs_exactly(npu_bundles, model_dirs, calib_file, granularity):
+@pytest.mark.parametrize("granularity, kernels", [("channel", None), ("tensor", None), ("channel", "u8u8")])
+def test_npu_bundle_runs_integer_graphs_exactly(npu_bundles, model_dirs, calib_file, granularity, kernels, monkeypatch):
     """ONNX Runtime's integer kernels give what the IR's fake-quant semantics say (the
     AVX2 u8 x s8 saturation this guards against would show up here), with per-channel weight
-    scales and with one per tensor (a scalar in the graphs), in prefill and in decode."""
+    scales and with one per tensor (a scalar in the graphs), in prefill and in decode; on the
+    kernels the runtime picks for this CPU, and on the u8 x u8 ones it picks without VNNI."""
     from llmc.interpreter import Interpreter
-    from llmc.runtime import Session
+    from llmc.runtime import Session, cpu
+
+    if kernels:
+        monkeypatch.setenv(cpu.ENV, kernels)
 
     g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_file), weight_granularity=granularity)
     _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
@@ -302,11 +306,13 @@ def test_eval_cli(npu_bundles, bundles, tmp_path):
 
 
 @pytest.mark.parametrize("family, shadow", [("llama", True), ("llama", False), ("qwen2", True), ("phi", False)])
-def test_onnx_runtime_keeps_every_qlinear_integer(model_dirs, calib_file, family, shadow, tmp_path):
+def test_onnx_runtime_keeps_every_qlinear_integer(model_dirs, calib_file, family, shadow, tmp_path, monkeypatch):
     """After ONNX Runtime's graph optimisations every QLinear of every graph is one integer matmul
     (MatMulIntegerToFloat) and no float Gemm or weight dequantization is left: a QLinear's bias
     (Qwen2's q/k/v, Phi's everywhere) or the residual Add right after it (no shadow path between)
-    must not be fused into a float Gemm that dequantizes the int8 weights on every call."""
+    must not be fused into a float Gemm that dequantizes the int8 weights on every call.
+    The weights stay int8 where the runtime finds the u8 x s8 kernels exact and become uint8
+    (ONNX Runtime's own rewrite, exact everywhere) where it does not (llmc.runtime.cpu)."""
     import json
 
     import onnx
@@ -314,6 +320,7 @@ def test_onnx_runtime_keeps_every_qlinear_integer(model_dirs, calib_file, family
     from onnx.external_data_helper import load_external_data_for_model
 
     from llmc.compile import compile_model
+    from llmc.runtime import cpu
 
     root = tmp_path / "bundle"
     compile_model(str(model_dirs(family)), root, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, calib_file=str(calib_file),
@@ -322,15 +329,22 @@ def test_onnx_runtime_keeps_every_qlinear_integer(model_dirs, calib_file, family
     checked = 0
     for name, g in m["graphs"].items():
         for rows, inst in g["instances"].items():
-            so = ort.SessionOptions()
-            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            so.optimized_model_filepath = str(tmp_path / f"{name}.{rows}.onnx")
             model = onnx.load(str(root / inst["file"]), load_external_data=False)
             load_external_data_for_model(model, str(root))  # weight locations are relative to the bundle root
             qlinears = sum(n.op_type == "MatMul" and n.input[0].endswith(".xdq") for n in model.graph.node)
-            ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-            ops = [n.op_type for n in onnx.load(so.optimized_model_filepath, load_external_data=False).graph.node]
-            assert "Gemm" not in ops and "DequantizeLinear" not in ops, (name, rows, sorted(set(ops)))
-            assert ops.count("MatMulIntegerToFloat") == qlinears, (name, rows)
+            for exact, weight_type in ((True, onnx.TensorProto.INT8), (False, onnx.TensorProto.UINT8)):
+                monkeypatch.setenv(cpu.ENV, "vnni" if exact else "u8u8")
+                cpu.u8s8_is_exact.cache_clear()  # read the variable again
+                so = ort.SessionOptions()
+                so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+                so.optimized_model_filepath = str(tmp_path / f"{name}.{rows}.onnx")
+                cpu.int8_session_options(so)
+                ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+                opt = onnx.load(so.optimized_model_filepath, load_external_data=False).graph
+                ops = [n.op_type for n in opt.node]
+                assert "Gemm" not in ops and "DequantizeLinear" not in ops, (name, rows, sorted(set(ops)))
+                assert ops.count("MatMulIntegerToFloat") == qlinears, (name, rows)
+                types = {t.name: t.data_type for t in opt.initializer}
+                assert all(types[n.input[1]] == weight_type for n in opt.node if n.op_type == "MatMulIntegerToFloat"), (name, rows, exact)
             checked += qlinears
     assert checked > 0

@@ -1,0 +1,58 @@
+"""What this CPU's int8 matrix kernels compute exactly.
+
+ONNX Runtime's x86 int8 GEMM (MLAS) multiplies uint8 activations by int8 weights
+with ``vpdpbusd`` where the CPU has VNNI (AVX512-VNNI or AVX-VNNI), which sums
+into 32 bits, and with ``vpmaddubsw`` elsewhere, which sums pairs into 16 bits
+and saturates (errors of 13% of the output range measured on SmolLM2 without
+VNNI). Its uint8 x uint8 kernels are exact on every CPU but 2-3x slower than
+the VNNI ones at a prefill chunk's rows (SmolLM2 shapes, 256 rows).
+
+The ONNX backend emits W8A8 weights as int8; a session on a CPU without VNNI
+sets ``session.x64quantprecision``, so that ONNX Runtime turns each constant
+int8 weight back into uint8 (its ``Avx2WeightS8ToU8Transformer``) and keeps the
+exact kernels. ONNX Runtime's own test for that option
+(``MlasPlatformU8S8Overflow``) is true on every x86 CPU with AVX2, VNNI or not,
+so the runtime decides itself, from the CPU flags the kernel reports.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+X86 = ("x86_64", "amd64", "i386", "i686", "x86")
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni")  # /proc/cpuinfo's names; MLAS picks its VNNI u8 x s8 kernels for either
+ENV = "LLMC_INT8_EXACT_KERNELS"  # "vnni" or "u8u8": override the detection (a CPU this reads wrongly)
+CPUINFO = "/proc/cpuinfo"
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The first processor's flags from ``cpuinfo`` (default ``/proc/cpuinfo``; empty where there is none, as off Linux)."""
+    try:
+        with open(cpuinfo or CPUINFO, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.lru_cache(maxsize=1)
+def u8s8_is_exact() -> bool:
+    """Whether ONNX Runtime's uint8 x int8 matrix kernels are exact on this CPU.
+
+    True off x86 (the transform that would apply does not exist there) and on x86
+    CPUs with VNNI; False on other x86 CPUs and where the flags cannot be read."""
+    forced = os.environ.get(ENV, "").strip().lower()
+    if forced in ("vnni", "u8u8"):
+        return forced == "vnni"
+    if platform.machine().lower() not in X86:
+        return True
+    return any(f in cpu_flags() for f in VNNI_FLAGS)
+
+
+def int8_session_options(so) -> None:
+    """Keep a session's int8 weights on this CPU's exact kernels (see the module docstring)."""
+    so.add_session_config_entry("session.x64quantprecision", "0" if u8s8_is_exact() else "1")
