@@ -665,7 +665,8 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
 @click.option("--json", "as_json", is_flag=True)
 @_guard
 def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch, as_json):
-    """Time a BUNDLE: TTFT, prefill and decode tokens/s (median and spread), peak RSS, what ran decode, the KV cache."""
+    """Time a BUNDLE: TTFT, prefill and decode tokens/s (median and spread), peak RSS, what ran decode, the KV cache,
+    and for W8A8 bundles which int8 kernels ran."""
     import dataclasses
 
     from llmc.runtime.bench import bench as run_bench
@@ -683,6 +684,8 @@ def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch
     click.echo(f"  peak RSS {r.peak_rss_mb:10.0f} MB")
     click.echo(f"  decode   {_DECODE_PATHS[r.decode_path]}")
     click.echo(f"  kv cache {r.kv_cache}, {r.kv_cache_bytes / 1e6:.1f} MB for {sess.max_context} positions")
+    if r.int8_kernels:
+        click.echo(f"  int8     {_INT8_KERNELS[r.int8_kernels]}")
     if r.offload:
         o = r.offload
         click.echo(f"  offload  {o['resident_bytes'] / 1e6:.1f} MB resident, {o['buffer_bytes'] / 1e6:.1f} MB stream buffer "
@@ -691,6 +694,8 @@ def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch
                    f"waited {o['main_thread_wait_s']:.2f} s")
 
 
+_INT8_KERNELS = {"u8s8": "uint8 x int8 weights (this CPU has VNNI: exact, the fast kernels)",
+                 "u8u8": "uint8 x uint8 weights (exact on every CPU; int8 weights are turned into uint8 here)"}
 _DECODE_PATHS = {"graph": "one call of the decode graph per token", "cpu program": "the CPU program: a graph and an attention call per layer",
                  "chunk program": "the chunk program's one-row instances"}
 

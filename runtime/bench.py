@@ -41,6 +41,7 @@ class BenchResult:
     offload: dict | None = None  # memory-budgeted bundles: residency and streaming figures over all runs
     kv_cache: str = ""  # the KV cache's element type: "float32", or "int8" (--kv-cache int8)
     kv_cache_bytes: int = 0  # allocated for the bundle's max context
+    int8_kernels: str | None = None  # Session.int8_kernels: "u8s8", "u8u8", or None without W8A8 weights
 
 
 def prompt_ids(session: Session, n: int, seed: int = 0) -> list[int]:
@@ -73,6 +74,7 @@ def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat:
         session.decode_path,
         offload_figures(session),
         *_kv_cache(session),
+        session.int8_kernels,
     )
 
 

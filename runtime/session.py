@@ -26,7 +26,7 @@ import numpy as np
 
 from llmc.runtime import kernels
 from llmc.runtime.binding import BoundGraph
-from llmc.runtime.cpu import int8_session_options
+from llmc.runtime.cpu import int8_session_options, u8s8_is_exact
 from llmc.runtime.decode_graph import DecodeGraphRunner
 from llmc.runtime.errors import BundleError, PromptError, PromptTooLongError, ProviderError, TokenIdError
 from llmc.runtime.manifest import SHAPE_ERRORS, load_manifest, map_weights, resolve_inside, shape_error
@@ -282,6 +282,15 @@ class Session:
         if self._decode_graph is not None:
             return "graph"
         return "cpu program" if self._decode_program is not None else "chunk program"
+
+    @property
+    def int8_kernels(self) -> str | None:
+        """Which ONNX Runtime CPU kernels multiply the bundle's W8A8 weights: ``"u8s8"`` (int8 weights on
+        a CPU where they are exact: :mod:`llmc.runtime.cpu`), ``"u8u8"``, or None (no W8A8 weights)."""
+        types = {w["dtype"] for n, w in self.manifest["weights"].items() if n.endswith(".q8")}
+        if not types:
+            return None
+        return "u8s8" if types == {"int8"} and u8s8_is_exact() else "u8u8"
 
     @property
     def counts_outliers(self) -> bool:

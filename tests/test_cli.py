@@ -259,6 +259,7 @@ def test_bench_json(bundles):
     res = json.loads(r.output)
     assert res["prompt_tokens"] == 20 and res["repeat"] == 2 and res["decode_path"] == "graph"
     assert res["kv_cache"] == "float32" and res["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 4 * 64  # K, V x layers x kv heads x head dim x 4 B x context
+    assert res["int8_kernels"] is None  # a float bundle
     for k in ("ttft_s", "prefill_tok_s", "decode_tok_s"):
         f = res[k]
         assert f["min"] <= f["median"] <= f["max"] and f["median"] > 0

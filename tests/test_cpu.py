@@ -78,3 +78,23 @@ def test_vnni_and_u8u8_kernels_give_identical_logits(tmp_path, model_dirs, calib
         logits = s.prefill(ids, all_logits=True)
         out[kernels] = np.concatenate([logits, np.stack([s.decode(t) for t in ids[:6]])])
     assert np.array_equal(out["vnni"], out["u8u8"])
+
+
+@pytest.mark.parametrize("kernels, shown", [("vnni", "u8s8"), ("u8u8", "u8u8")])
+def test_bench_says_which_int8_kernels_ran(tmp_path, model_dirs, calib_words, monkeypatch, kernels, shown):
+    import json
+
+    from click.testing import CliRunner
+    from conftest import CHUNK, MAX_CONTEXT
+
+    from llmc.cli import cli
+    from llmc.compile import compile_model
+
+    root = tmp_path / "npu"
+    compile_model(str(model_dirs("llama")), root, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, calib_file=str(calib_words), calib_tokens=256)
+    monkeypatch.setenv(cpu.ENV, kernels)
+    r = CliRunner().invoke(cli, ["bench", str(root), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["int8_kernels"] == shown
+    r = CliRunner().invoke(cli, ["bench", str(root), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1"])
+    assert r.exit_code == 0 and ("VNNI" in r.output) == (kernels == "vnni"), r.output
