@@ -124,6 +124,22 @@ class _Builder:
         self.consts.append(numpy_helper.from_array(values, name))
         return name
 
+    def unsigned_codes(self, name: str, codes: str) -> str:
+        """int8 codes fed at run time as uint8 + 128, computed in the graph on every call.
+
+        ONNX Runtime turns constant int8 weights into uint8 where its u8 x s8 kernels
+        saturate (CPUs without VNNI, :mod:`llmc.runtime.cpu`), but not graph inputs; on
+        uint8 they run on the u8 x u8 kernels, exact on every CPU. Memory-budgeted bundles
+        store their W8A8 weights as uint8 already (``quantize``), so this serves only
+        offload plans made without a budget (hand-made ones, in tests and research)."""
+        from onnx import TensorProto
+
+        c = self.const(f"{name}.w_offset", np.array(128, np.int16))
+        self.add("Cast", [codes], [f"{name}.w16"], f"{name}.w16", to=TensorProto.INT16)
+        self.add("Add", [f"{name}.w16", c], [f"{name}.w16u"], f"{name}.w16u")
+        self.add("Cast", [f"{name}.w16u"], [f"{name}.wu8"], f"{name}.wu8", to=TensorProto.UINT8)
+        return f"{name}.wu8"
+
     def add(self, op: str, inputs: list[str], outputs: list[str], name: str, **attrs: Any) -> None:
         self.nodes.append(self.helper.make_node(op, inputs, outputs, name=name, **attrs))
 
@@ -144,7 +160,10 @@ class _Builder:
             wq, ws = self.weight(n.weights["qweight"]), self.weight(n.weights["wscale"])
             out_f = n.weights["qweight"].shape[1]
             per_channel = n.weights["wscale"].shape != (1,)
-            wzp = self.const(f"{n.name}.w_zero_point", np.full(out_f if per_channel else (), a["w_zero_point"], np.int8))
+            wtype, wz = n.weights["qweight"].dtype, a["w_zero_point"]
+            if wtype == "int8" and wq in self.streamed:
+                wq, wtype, wz = self.unsigned_codes(n.name, wq), "uint8", 128
+            wzp = self.const(f"{n.name}.w_zero_point", np.full(out_f if per_channel else (), wz, wtype))
             attrs = {"axis": 1} if per_channel else {}
             if not per_channel:
                 self.scalar_weights.add(ws)

@@ -166,7 +166,7 @@ class _Builder:
             out_f = qw.shape[1]
             per_channel = ws.shape != (1,)
             wsc = self.load(ws.name)
-            wz = self.const(f"{out}.wz", np.full(out_f if per_channel else (), a["w_zero_point"], np.int8))
+            wz = self.const(f"{out}.wz", np.full(out_f if per_channel else (), a["w_zero_point"], qw.dtype))
             wsn = self.const(f"{out}.ws", wsc if per_channel else np.float32(wsc[0]))
             self.add("DequantizeLinear", [self.ext_weight(qw.name), wsn, wz], [f"{out}.w"], f"{out}.wdq", **({"axis": 1} if per_channel else {}))
             lo, hi = self.ranges[out]

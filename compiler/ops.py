@@ -108,8 +108,9 @@ def _qlinear(node: "Node"):
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {in_f}")
     if node.weights["wscale"].shape not in ((out_f,), (1,)):
         raise ValueError("weight scale must be per output channel or per tensor")
-    if node.weights["qweight"].dtype != "int8":
-        raise ValueError("quantized weights must be int8 (symmetric, zero point w_zero_point = 0)")
+    form = (node.weights["qweight"].dtype, node.attrs.get("w_zero_point"))
+    if form not in (("int8", 0), ("uint8", 128)):
+        raise ValueError(f"quantized weights must be int8 with w_zero_point 0, or uint8 with 128 (the same values); got {form}")
     return [((_rows(node), out_f), "float32")]
 
 

@@ -33,16 +33,18 @@ from llmc.pass_manager import Pass, PassContext, PassResult
 
 
 W_ZERO_POINT = 0
+FED_ZERO_POINT = 128  # the uint8 form of the same values, for weights fed at run time (see Quantize)
 
 
-def quantize_weight(w: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.ndarray]:
+def quantize_weight(w: np.ndarray, per_channel: bool, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 in [-127, 127].
 
     Returns (q [in, out] int8, scale [out] or [1] float32). ONNX Runtime's x86
     u8 x s8 kernels saturate on CPUs without VNNI (measured: errors of 13% of the
     output range); the runtime has ONNX Runtime turn the weights into uint8 there
     (:mod:`llmc.runtime.cpu`), and keeps them int8 where the kernels are exact and
-    2-3x faster at chunk rows.
+    2-3x faster at chunk rows. With ``offset`` 128 the same values come as uint8
+    ``q + 128``.
     """
     w = np.asarray(w, np.float32)
     out_f, in_f = w.shape
@@ -53,11 +55,12 @@ def quantize_weight(w: np.ndarray, per_channel: bool) -> tuple[np.ndarray, np.nd
     else:
         amax = np.array([max((float(np.abs(w[i : i + step]).max()) for i in blocks), default=0.0)], np.float32)
     scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.empty((in_f, out_f), np.int8)
+    q = np.empty((in_f, out_f), np.uint8 if offset else np.int8)
     for i in blocks:
         b = w[i : i + step] / (scale[i : i + step, None] if per_channel else scale)
         np.rint(b, out=b)
         np.clip(b, -127, 127, out=b)
+        b += offset
         q[:, i : i + step] = b.T
     return q, scale
 
@@ -79,6 +82,10 @@ class Quantize(Pass):
         plan = ctx.get(ShadowPlan)
         self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         per_channel = ctx.options.weight_granularity == "channel"
+        # Under a memory budget the weights are graph inputs, fed at run time: ONNX Runtime's load-time
+        # rewrite of int8 weights into uint8 (CPUs without VNNI) meets only constant ones, so a budgeted
+        # bundle keeps the uint8 form, exact on every CPU's u8 x u8 kernels.
+        zero_point = FED_ZERO_POINT if ctx.options.memory_budget else W_ZERO_POINT
         store = graph.weights
         changed = False
         groups: dict[str, list] = {}
@@ -93,15 +100,15 @@ class Quantize(Pass):
             def qw(name=wref.name, pop=False):
                 # one quantization serves both the int8 weights and their scales
                 if name not in self._cache:
-                    self._cache[name] = quantize_weight(store.load(name), per_channel)
+                    self._cache[name] = quantize_weight(store.load(name), per_channel, zero_point)
                 return self._cache.pop(name) if pop else self._cache[name]
 
-            qweight = store.derived(f"{wref.name}.q8", (in_f, out_f), "int8", lambda qw=qw: qw()[0])
+            qweight = store.derived(f"{wref.name}.q8", (in_f, out_f), "uint8" if zero_point else "int8", lambda qw=qw: qw()[0])
             wscale = store.derived(f"{wref.name}.scale", (out_f if per_channel else 1,), "float32", lambda qw=qw: qw(pop=True)[1])
             weights = {"qweight": qweight, "wscale": wscale}
             if "bias" in node.weights:
                 weights["bias"] = node.weights["bias"]
-            ql = graph.add_node("QLinear", [x], attrs={"x_scale": q.scale, "x_zero_point": q.zero_point, "w_zero_point": W_ZERO_POINT}, weights=weights,
+            ql = graph.add_node("QLinear", [x], attrs={"x_scale": q.scale, "x_zero_point": q.zero_point, "w_zero_point": zero_point}, weights=weights,
                                 name=f"{node.name}.q", before=node)
             graph.replace_all_uses(node.outputs[0], ql.outputs[0])
             graph.remove_node(node)

@@ -139,8 +139,11 @@ def test_streamed_weights_are_graph_inputs(pairs):
             model = onnx.load(budgeted / inst["file"], load_external_data=False)
             inputs = {i.name: i for i in model.graph.input}
             inits = {t.name for t in model.graph.initializer}
+            casts = {n.input[0]: n for n in model.graph.node if n.op_type == "Cast"}
             for w in g.get("streamed", []):
                 assert w in inputs and w not in inits
+                # int8 codes fed without a budget (a hand-made plan) become uint8 in the graph (exact everywhere)
+                assert casts[w].attribute[0].i == onnx.TensorProto.INT16
                 t = inputs[w].type.tensor_type
                 assert [d.dim_value for d in t.shape.dim] == m["weights"][w]["shape"]
                 assert t.elem_type == onnx.helper.np_dtype_to_tensor_dtype(np.dtype(m["weights"][w]["dtype"]))
@@ -395,6 +398,16 @@ def test_smollm2_peak_rss_under_budget(smol_bundles, tmp_path, monkeypatch):
     print(f"SmolLM2 budgeted: peak RSS {r['peak_rss_mb']:.0f} MiB, overhead {r['peak_rss_mb'] - limit_mb + SMOL_OVERHEAD_MB:.0f} MiB")
 
 
+def _int8_kernels(bundle) -> str | None:
+    from llmc.runtime import Session
+
+    s = Session(bundle, provider="cpu")
+    try:
+        return s.int8_kernels
+    finally:
+        s.close()
+
+
 def _compile_npu_budgeted(model_dirs, calib_words, out: Path, budget: str) -> dict:
     """The tiny llama compiled for npu by the compiler's own plan under ``budget``; its offload section."""
     from llmc.compile import compile_model
@@ -410,7 +423,14 @@ def test_plan_offload_bundle_runs_like_the_unbudgeted_one(pairs, tmp_path, model
     out = tmp_path / "budget"
     off = _compile_npu_budgeted(model_dirs, calib_words, out, "80%")
     assert off["streamed"] and off["resident_bytes"] + off["buffer_bytes"] <= off["budget_bytes"]
-    assert "decode_graph" not in json.loads((out / "manifest.json").read_text())  # weights stream per step of the chunk program
+    m = json.loads((out / "manifest.json").read_text())
+    assert "decode_graph" not in m  # weights stream per step of the chunk program
+    # fed W8A8 weights are stored as uint8 + 128 (exact u8 x u8 kernels on every CPU, no cast per call);
+    # the unbudgeted bundle keeps int8 (llmc.runtime.cpu)
+    q8 = [w for n, w in m["weights"].items() if n.endswith(".q8")]
+    assert q8 and {w["dtype"] for w in q8} == {"uint8"}
+    assert {w["dtype"] for n, w in json.loads((plain / "manifest.json").read_text())["weights"].items() if n.endswith(".q8")} == {"int8"}
+    assert _int8_kernels(out) == "u8u8"
     _, ref_logits, ref_toks = _run(plain, True)
     for prefetch in (True, False):
         s, logits, toks = _run(out, prefetch)
