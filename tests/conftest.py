@@ -50,7 +50,8 @@ def family_configs():
     return {
         "llama": T.LlamaConfig(**COMMON),
         "llama_tied_mha": T.LlamaConfig(**{**COMMON, "num_key_value_heads": 4, "tie_word_embeddings": True}),
-        "qwen2": T.Qwen2Config(**COMMON),
+        # byte-level BPE, as Qwen2's tokenizer class rebuilds it (see make_tokenizer): 256 byte tokens and merges
+        "qwen2": T.Qwen2Config(**{**COMMON, "vocab_size": BPE_VOCAB}),
         "mistral": T.MistralConfig(**COMMON, sliding_window=12),
         "phi3": T.Phi3Config(**COMMON),
         "gemma": T.GemmaConfig(**{**COMMON, "head_dim": 24, "num_key_value_heads": 1}),
@@ -59,10 +60,28 @@ def family_configs():
     }
 
 
-def make_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+BPE_VOCAB = 384
+BYTE_LEVEL_FAMILIES = ("qwen2",)
+
+
+def make_tokenizer(byte_level: bool = False):
+    """A word-level tokenizer over WORDS; or, for families whose tokenizer class rebuilds a byte-level BPE
+    from the saved vocabulary (transformers 5 loads a Qwen2 directory's tokenizer as ``Qwen2Tokenizer``,
+    which turns a word-level vocabulary into one where every text is the same token), a byte-level
+    BPE trained on WORDS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    special = dict(unk_token="[UNK]", pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]")
+    if byte_level:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["[PAD]", "[BOS]", "[EOS]", "[UNK]"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
+        assert tok.get_vocab_size() == BPE_VOCAB
+        return PreTrainedTokenizerFast(tokenizer_object=tok, **special)
     vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3}
     for w in WORDS:
         vocab.setdefault(w, len(vocab))
@@ -70,7 +89,7 @@ def make_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **special)
 
 
 def build_model_dir(family: str, root: Path, seed: int = 0) -> Path:
@@ -82,7 +101,7 @@ def build_model_dir(family: str, root: Path, seed: int = 0) -> Path:
     model = T.AutoModelForCausalLM.from_config(cfg)
     d = root / family
     model.save_pretrained(d)
-    make_tokenizer().save_pretrained(d)
+    make_tokenizer(byte_level=family in BYTE_LEVEL_FAMILIES).save_pretrained(d)
     return d
 
 
