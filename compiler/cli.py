@@ -694,8 +694,8 @@ def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch
                    f"waited {o['main_thread_wait_s']:.2f} s")
 
 
-_INT8_KERNELS = {"u8s8": "uint8 x int8 weights (this CPU has VNNI: exact, the fast kernels)",
-                 "u8u8": "uint8 x uint8 weights (exact on every CPU; int8 weights are turned into uint8 here)"}
+_INT8_KERNELS = {"u8s8": "uint8 x int8 weights (exact on this CPU: x86 with VNNI, or not x86)",
+                 "u8u8": "uint8 x uint8 weights (the exact kernels where u8 x s8 saturates, and for weights fed at run time)"}
 _DECODE_PATHS = {"graph": "one call of the decode graph per token", "cpu program": "the CPU program: a graph and an attention call per layer",
                  "chunk program": "the chunk program's one-row instances"}
 

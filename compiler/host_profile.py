@@ -8,8 +8,9 @@ model end to end:
 * ``cpu.fp32_flops_per_s``: ``Gemm`` (transB, as the ONNX backend emits Linear)
   of ``[256, K] x [K, N]`` over LLM-like shapes, median;
 * ``cpu.int8_ops_per_s``: the backend's QLinear pattern (QuantizeLinear,
-  DequantizeLinear, per-channel uint8 weights, MatMul; ONNX Runtime fuses it
-  into an integer matmul) over the same shapes, median;
+  DequantizeLinear, per-channel int8 weights, MatMul; ONNX Runtime fuses it
+  into an integer matmul, on the kernels the runtime picks for this CPU:
+  :mod:`llmc.runtime.cpu`) over the same shapes, median;
 * ``cpu.int8_gemv_ops_per_s``: the same QLinear pattern at one row (decode), with
   96 MB of weights per run so they come from memory: on CPUs without a fast
   integer GEMV this, not memory bandwidth, bounds int8 decode;
@@ -58,6 +59,7 @@ from typing import Callable
 import numpy as np
 
 from llmc.device_profile import SCHEMA, DeviceProfile, parse
+from llmc.runtime.cpu import int8_session_options
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ def _session(model, threads: int):
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    int8_session_options(so)  # as the runtime: int8 weights on this CPU's exact kernels
     so.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
@@ -118,7 +121,7 @@ def gemm_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) -> fl
 
 
 def qlinear_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) -> float:
-    """The ONNX backend's QLinear lowering: uint8 activations (zero point 128), per-channel uint8 weights.
+    """The ONNX backend's QLinear lowering: uint8 activations (zero point 128), per-channel int8 weights.
 
     With ``copies`` > 1 the graph holds that many independent QLinears of the shape and the
     result is per QLinear: enough copies that their weights exceed the caches make each one
@@ -127,11 +130,11 @@ def qlinear_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) ->
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array(np.full(n, 0.01, np.float32), "ws"), numpy_helper.from_array(np.full(n, 128, np.uint8), "wz"),
+    inits = [numpy_helper.from_array(np.full(n, 0.01, np.float32), "ws"), numpy_helper.from_array(np.zeros(n, np.int8), "wz"),
              numpy_helper.from_array(np.array(0.05, np.float32), "xs"), numpy_helper.from_array(np.array(128, np.uint8), "xz")]
     nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]), helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xdq"])]
     outputs = []
-    base = rng.integers(1, 256, size=(k, n), dtype=np.uint8)
+    base = rng.integers(-127, 128, size=(k, n), dtype=np.int8)
     for c in range(copies):
         inits.append(numpy_helper.from_array(np.roll(base, c, axis=1), f"wq{c}"))
         nodes += [helper.make_node("DequantizeLinear", [f"wq{c}", "ws", "wz"], [f"w{c}"], axis=1),
@@ -284,7 +287,7 @@ def measure(threads: int | None = None, scratch: Path | None = None, progress: C
     n["cpu.fp32_flops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: ONNX Runtime Gemm [256,K]x[K,N], median over (K,N) in {list(GEMM_SHAPES)}"}
     say("int8 QLinear")
     rates = [2.0 * ROWS * k * m / qlinear_seconds(ROWS, k, m, threads) for k, m in GEMM_SHAPES]
-    n["cpu.int8_ops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: the QLinear QDQ pattern [256,K]x[K,N] uint8, median over the same shapes"}
+    n["cpu.int8_ops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: the QLinear QDQ pattern [256,K]x[K,N] (int8 weights, this CPU's exact kernels), median over the same shapes"}
     rates = [2.0 * k * m / qlinear_seconds(1, k, m, threads, copies=-(-GEMV_BYTES // (k * m))) for k, m in GEMM_SHAPES]
     n["cpu.int8_gemv_ops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: the QLinear QDQ pattern at one row [1,K]x[K,N], "
                                     f"copies of each shape with {GEMV_BYTES >> 20} MB of weights in one graph (weights from memory, as in decode), median over the same shapes"}

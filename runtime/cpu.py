@@ -10,7 +10,9 @@ the VNNI ones at a prefill chunk's rows (SmolLM2 shapes, 256 rows).
 The ONNX backend emits W8A8 weights as int8; a session on a CPU without VNNI
 sets ``session.x64quantprecision``, so that ONNX Runtime turns each constant
 int8 weight back into uint8 (its ``Avx2WeightS8ToU8Transformer``) and keeps the
-exact kernels. ONNX Runtime's own test for that option
+exact kernels. Weights fed at run time are uint8 already (a memory-budgeted
+bundle's) or cast to uint8 in the graph. Off x86 there is no such rewrite and
+no need for one: ONNX Runtime's other int8 kernels do not saturate. ONNX Runtime's own test for that option
 (``MlasPlatformU8S8Overflow``) is true on every x86 CPU with AVX2, VNNI or not,
 so the runtime decides itself, from the CPU flags the kernel reports.
 """
@@ -22,7 +24,10 @@ import os
 import platform
 
 X86 = ("x86_64", "amd64", "i386", "i686", "x86")
-VNNI_FLAGS = ("avx512_vnni", "avx_vnni")  # /proc/cpuinfo's names; MLAS picks its VNNI u8 x s8 kernels for either
+# MLAS's choice (onnxruntime/core/mlas/lib/platform.cpp): AVX-VNNI's kernel first; then, where the CPU has
+# these four, its AVX-512 core kernel (vpmaddubsw: saturates) replaces it, and only AVX512-VNNI brings
+# back a VNNI one.
+AVX512_CORE = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
 ENV = "LLMC_INT8_EXACT_KERNELS"  # "vnni" or "u8u8": override the detection (a CPU this reads wrongly)
 CPUINFO = "/proc/cpuinfo"
 
@@ -50,7 +55,14 @@ def u8s8_is_exact() -> bool:
         return forced == "vnni"
     if platform.machine().lower() not in X86:
         return True
-    return any(f in cpu_flags() for f in VNNI_FLAGS)
+    return vnni_kernels(cpu_flags())
+
+
+def vnni_kernels(flags: frozenset[str]) -> bool:
+    """Whether MLAS runs u8 x s8 on a VNNI kernel on a CPU with these flags (see ``AVX512_CORE``)."""
+    if all(f in flags for f in AVX512_CORE):
+        return "avx512_vnni" in flags
+    return "avx_vnni" in flags
 
 
 def int8_session_options(so) -> None:

@@ -285,12 +285,15 @@ class Session:
 
     @property
     def int8_kernels(self) -> str | None:
-        """Which ONNX Runtime CPU kernels multiply the bundle's W8A8 weights: ``"u8s8"`` (int8 weights on
-        a CPU where they are exact: :mod:`llmc.runtime.cpu`), ``"u8u8"``, or None (no W8A8 weights)."""
-        types = {w["dtype"] for n, w in self.manifest["weights"].items() if n.endswith(".q8")}
-        if not types:
+        """Which ONNX Runtime CPU kernels multiply the W8A8 weights of the graphs the CPU runs: ``"u8s8"``
+        (int8 weights, on a CPU where those kernels are exact: :mod:`llmc.runtime.cpu`), ``"u8u8"`` (uint8
+        weights: stored so, fed at run time, or rewritten by ONNX Runtime), or None (no W8A8 weights)."""
+        names = {n for n in self.manifest["weights"] if n.endswith(".q8")}
+        if not names:
             return None
-        return "u8s8" if types == {"int8"} and u8s8_is_exact() else "u8u8"
+        fed = {n for g in self.graphs.values() for key in ("streamed", "fed") for n in g.get(key, ())}
+        constant_int8 = all(self.manifest["weights"][n]["dtype"] == "int8" and n not in fed for n in names)
+        return "u8s8" if constant_int8 and u8s8_is_exact() else "u8u8"
 
     @property
     def counts_outliers(self) -> bool:

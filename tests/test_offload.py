@@ -128,6 +128,8 @@ def test_budgeted_bundle_gives_identical_logits_and_tokens(pairs, monkeypatch, f
 def test_streamed_weights_are_graph_inputs(pairs):
     import onnx
 
+    from llmc.runtime.cpu import u8s8_is_exact
+
     plain, budgeted = pairs("llama", "npu", _matrices)
     m = json.loads((budgeted / "manifest.json").read_text())
     streamed = set(m["offload"]["streamed"])
@@ -150,9 +152,13 @@ def test_streamed_weights_are_graph_inputs(pairs):
                 seen.add(w)
             # resident weights are inputs too (fed from memory): no weight is an initializer ORT could copy
             assert set(g.get("fed", [])) == set(g["weights"]) - streamed
+            for w in g.get("fed", []):
+                if m["weights"][w]["dtype"] == "int8":  # resident int8 codes are cast to uint8 too
+                    assert casts[w].attribute[0].i == onnx.TensorProto.INT16
             assert set(g["weights"]) <= set(inputs) and not set(g["weights"]) & inits
             assert not (set(inputs) - set(g["weights"]) - {i["name"] for i in g["inputs"]})
     assert seen == streamed
+    assert _int8_kernels(budgeted) == "u8u8" and _int8_kernels(plain) == ("u8s8" if u8s8_is_exact() else "u8u8")
     pm = json.loads((plain / "manifest.json").read_text())
     assert pm["weights"] == m["weights"] and "offload" not in pm
     assert not any("fed" in g or "streamed" in g for g in pm["graphs"].values())
