@@ -92,6 +92,8 @@ def write_weights(graph: Graph, names: Iterable[str], root: Path) -> dict[str, d
 
 class _Builder:
     def __init__(self, graph: Graph, sub: Subgraph, rows: int, weights: dict[str, dict[str, Any]], streamed: frozenset[str] = frozenset()) -> None:
+        # the largest instance of a dynamic_rows subgraph takes any row count up to ``rows``
+        self.dynamic = sub.dynamic_rows and rows > 1 and rows == max(sub.row_counts)
         from onnx import helper
 
         self.helper = helper
@@ -228,7 +230,7 @@ class _Builder:
         out = f"{x}.blocksum{block}"
         if out not in self.made_once:
             self.made_once.add(out)
-            shape = self.const(f"{out}.shape", np.array([self.rows, nb, block], np.int64))
+            shape = self.const(f"{out}.shape", np.array([-1, nb, block], np.int64))
             axes = self.const(f"{out}.axes", np.array([2], np.int64))
             self.add("Reshape", [x, shape], [f"{out}.blocks"], f"{out}.blocks")
             self.add("ReduceSum", [f"{out}.blocks", axes], [out], out, keepdims=0)
@@ -316,7 +318,7 @@ class _Builder:
     def value_info(self, name: str):
 
         v = self.values[name]
-        return self.helper.make_tensor_value_info(name, _NP_TO_ONNX[v.dtype], [self.rows, *v.shape[1:]])
+        return self.helper.make_tensor_value_info(name, _NP_TO_ONNX[v.dtype], ["rows" if self.dynamic else self.rows, *v.shape[1:]])
 
     def build(self):
         from onnx import TensorProto
@@ -543,7 +545,7 @@ def _write(graph: Graph, sub: Subgraph, builders: list[_Builder], weights: dict[
         _check(model, root)
         rel = f"graphs/{sub.name}.r{b.rows}.onnx"
         (root / rel).write_bytes(model.SerializeToString(deterministic=True))
-        instances[str(b.rows)] = {"file": rel, "rows": b.rows}
+        instances[str(b.rows)] = {"file": rel, "rows": b.rows, **({"dynamic": True} if b.dynamic else {})}
     used = builders[0].used_weights  # the same for every instance; a node may hold weights its lowering does not read
     vals = {v.name: v for n in (graph.node(x) for x in sub.nodes) for v in list(n.inputs) + list(n.outputs)}
     entry = {

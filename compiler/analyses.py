@@ -16,7 +16,10 @@ class Subgraph:
 
     ``row_counts`` holds the shapes it is instantiated at: the prefill chunk
     length C and 1 (decode, and the LM head on the last token). Every instance
-    reads the same weights.
+    reads the same weights. With ``dynamic_rows`` the instance at the largest
+    row count has a symbolic first dimension and takes any count up to it: a
+    prompt's last chunk then runs at its own length instead of padded to C.
+    Only graphs that never run on the NPU (whose graphs need fixed shapes) are so.
     """
 
     name: str
@@ -25,6 +28,7 @@ class Subgraph:
     outputs: tuple[str, ...]
     weights: tuple[str, ...]
     row_counts: tuple[int, ...]
+    dynamic_rows: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

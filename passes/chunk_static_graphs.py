@@ -36,15 +36,17 @@ class ChunkStaticGraphs(Pass):
         if opts.chunk < 1 or opts.chunk > opts.max_context:
             raise CompileError(f"chunk length {opts.chunk} must be between 1 and max-context {opts.max_context}")
         rows = tuple(sorted({opts.chunk, 1}, reverse=True))
-        subgraphs, steps = cut(graph, rows, lambda n: not n.schema.is_static, self.name)
+        # a CPU bundle's graphs take a last chunk at its own length (no NPU needs their shapes fixed)
+        subgraphs, steps = cut(graph, rows, lambda n: not n.schema.is_static, self.name, dynamic=opts.target == "cpu" and opts.chunk > 1)
         ctx.put(ChunkPlan(opts.chunk, opts.max_context, subgraphs, steps))
         return PassResult(False)
 
 
 def cut(graph: Graph, rows: tuple[int, ...], is_cut: Callable[[Node], bool], who: str,
-        prefix: str = "block", head: str = "head") -> tuple[tuple[Subgraph, ...], tuple[Step, ...]]:
+        prefix: str = "block", head: str = "head", dynamic: bool = False) -> tuple[tuple[Subgraph, ...], tuple[Step, ...]]:
     """Group the nodes that are not cut points by stage (see the module docstring) into
-    subgraphs instantiated at ``rows``; return them and the dependency-ordered steps.
+    subgraphs instantiated at ``rows`` (the largest with a symbolic row count if ``dynamic``:
+    :class:`~llmc.analyses.Subgraph`); return them and the dependency-ordered steps.
 
     Subgraphs are named ``{prefix}NN`` in program order, the one after SelectRows ``head``.
     """
@@ -99,7 +101,7 @@ def cut(graph: Graph, rows: tuple[int, ...], is_cut: Callable[[Node], bool], who
             for ref in n.weights.values():
                 if ref.name not in weights:
                     weights.append(ref.name)
-        subgraphs.append(Subgraph(names[st], tuple(n.name for n in members), tuple(ins), tuple(outs), tuple(weights), rows))
+        subgraphs.append(Subgraph(names[st], tuple(n.name for n in members), tuple(ins), tuple(outs), tuple(weights), rows, dynamic))
 
     # Order the units (subgraphs and cut-point ops) by their dependencies.
     dag = nx.DiGraph()

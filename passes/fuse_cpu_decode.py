@@ -50,7 +50,8 @@ class FuseCpuDecode(Pass):
             log.info("%s: skipped, a budgeted bundle streams weights per step of the chunk program", self.name)
             return PassResult(False)
         rows = (1, ctx.options.chunk) if ctx.options.chunk > 1 else (1,)
-        subgraphs, steps = cut(graph, rows, lambda n: not n.schema.is_static and n.op != "ShadowOutliers", self.name, prefix="decode", head="decode_head")
+        subgraphs, steps = cut(graph, rows, lambda n: not n.schema.is_static and n.op != "ShadowOutliers", self.name, prefix="decode", head="decode_head",
+                               dynamic=len(rows) > 1)  # the CPU's graphs: a last chunk runs at its own length
         before = len(ctx.get(ChunkPlan).steps)
         log.info("%s: %d decode steps instead of %d (%d graphs)", self.name, len(steps), before, len(subgraphs))
         ctx.put(DecodePlan(subgraphs, steps))

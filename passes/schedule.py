@@ -30,7 +30,10 @@ When decode runs the one-graph decode (``fuse_decode_graph``, the placement
 keeping decode on the CPU), the runtime ends prefill in it as ``Session.prefill``
 does: a tail of up to C / ``TAIL_DIVISOR`` tokens after the last whole chunk and
 the last token are decode steps, and the last token always is when every
-prefill graph is on the CPU too. The timelines then cover the tokens before
+prefill graph is on the CPU too. When every prefill graph takes a last chunk at
+its own length (``Subgraph.dynamic_rows``: CPU bundles, and the CPU program)
+nothing is padded: only the last token is a decode step, and the last chunk is
+priced at its own rows. The timelines then cover the tokens before
 them and ``Schedule.head_s`` prices those steps instead of the LM head.
 
 Produces :class:`llmc.analyses.Schedule`; the IR is unchanged.
@@ -79,6 +82,7 @@ class _Problem:
             for v in plan.steps[j].outputs:
                 producer[v] = j
         attention = [j for j in self.steps if plan.steps[j].kind == "op" and graph.node(plan.steps[j].name).op == "Attention"]
+        exact = exact_chunks(plan)
         dag = nx.DiGraph()
         for i in range(k):
             n = min(c, tokens - i * c)
@@ -86,7 +90,7 @@ class _Problem:
                 step = plan.steps[j]
                 proc = placement.prefill[step.name]
                 if j in attention or (step.kind == "op" and graph.node(step.name).op == "ShadowOutliers") or n < c:
-                    cost = cm.step_seconds(step, c, n, i * c + n, proc)
+                    cost = cm.step_seconds(step, n if exact else c, n, i * c + n, proc)
                 else:  # a full chunk of a step that does not depend on the context: placed with this cost
                     cost = placement.costs[step.name].prefill[proc]
                 dag.add_node((i, j), proc=proc, cost=cost)
@@ -178,7 +182,10 @@ class ScheduleSteps(Pass):
         decode_on_cpu = all(placement.decode[s.name] == "cpu" for s in plan.steps if s.kind == "graph")
         one_processor = all(p == "cpu" for p in placement.prefill.values())  # nothing to overlap: in order is optimal
         # prompt tokens the runtime feeds through the decode graph (a tail and the last one), as Session.prefill
-        in_graph = tokens_in_graph(tokens, c, one_processor) if decode_on_cpu and cm.decode_graph is not None else 0
+        dp = cm.decode_plan
+        cpu_program = dp is not None and one_processor and all(c in sub.row_counts for sub in dp.subgraphs)  # prefills, as the runtime
+        exact = exact_chunks(dp if cpu_program else plan)
+        in_graph = tokens_in_graph(tokens, c, one_processor, exact) if decode_on_cpu and cm.decode_graph is not None else 0
         chunked = tokens - in_graph  # prompt tokens in chunks
         k_prompt = math.ceil(chunked / c)
         k_max = math.ceil(plan.max_context / c)
@@ -198,7 +205,6 @@ class ScheduleSteps(Pass):
             head_s = sum(cm.decode_graph_seconds(chunked + i + 1) for i in range(in_graph))
         else:
             head_s = _chain_seconds(cm, placement, [plan.steps[j] for j in heads], "prefill", tokens)
-        dp = cm.decode_plan
         if decode_on_cpu and cm.decode_graph is not None:
             decode_s = cm.decode_graph_seconds(tokens)  # the runtime's one-graph decode
         elif dp is not None and decode_on_cpu:
@@ -206,17 +212,23 @@ class ScheduleSteps(Pass):
         else:
             decode_s = _chain_seconds(cm, placement, list(plan.steps), "decode", tokens)
         cpu_program_s = None
-        if dp is not None and one_processor and all(c in sub.row_counts for sub in dp.subgraphs):
+        if cpu_program:
             # the runtime prefills through the CPU program, chunk by chunk (its head steps are head_s's)
             tail = head_steps(graph, dp)
             body = [s for j, s in enumerate(dp.steps) if j not in tail]
             rows = [min(c, chunked - i * c) for i in range(k_prompt)]  # real rows of each chunk
-            cpu_program_s = sum(cm.step_seconds(s, c, n, i * c + n, "cpu") for i, n in enumerate(rows) for s in body)
+            cpu_program_s = sum(cm.step_seconds(s, n if exact else c, n, i * c + n, "cpu") for i, n in enumerate(rows) for s in body)
         ino, ooo = report
         log.info("schedule (%s, %d tokens): in-order %.1f ms (NPU bubbles %.0f%%), out-of-order %.1f ms (%.0f%%); decode %.2f ms/token",
                  cm.profile.name, tokens, ino.makespan_s * 1e3, ino.npu_bubble_rate * 100, ooo.makespan_s * 1e3, ooo.npu_bubble_rate * 100, decode_s * 1e3)
         ctx.put(Schedule(tokens, orders, ino, ooo, decode_s, head_s, cpu_program_s))
         return PassResult(False)
+
+
+def exact_chunks(plan) -> bool:
+    """Whether the runtime runs ``plan``'s last chunk at its own length: every graph takes any row
+    count up to C (``Subgraph.dynamic_rows``), as Session's ``_exact_chunks``."""
+    return bool(plan.subgraphs) and all(s.dynamic_rows for s in plan.subgraphs)
 
 
 def _chain_seconds(cm: CostModel, placement: Placement, steps, phase: str, keys: int) -> float:

@@ -87,7 +87,9 @@ ONE_THREAD_BYTES = 8 << 20
 
 # With a decode graph, prefill runs a tail of up to C / TAIL_DIVISOR tokens after its last whole chunk
 # token by token through it instead of as a padded chunk: SmolLM2 at C = 256 prefills a chunk in about
-# 0.5 s and decodes a token in about 10-16 ms, so 16 tokens cost at most half a padded chunk.
+# 0.5 s and decodes a token in about 10-16 ms, so 16 tokens cost at most half a padded chunk. Programs
+# whose graphs take a last chunk at its own length pad nothing and skip the rule (at 3-9 tokens their
+# short chunk was as fast as or faster than the decode steps: SmolLM2, int4 and W8A8).
 TAIL_DIVISOR = 16
 
 
@@ -100,10 +102,14 @@ def check_utf8(text: str, what: str) -> None:
         raise PromptError(f"{what} is not valid UTF-8 (character {e.start})", hint="pass UTF-8 text") from None
 
 
-def tokens_in_graph(n: int, chunk: int, always: bool) -> int:
+def tokens_in_graph(n: int, chunk: int, always: bool, exact: bool = False) -> int:
     """How many of a prompt's ``n`` tokens prefill feeds through the decode graph: the last one and the
     tail after the last whole chunk when that tail is short (it saves a mostly padded chunk), else the
-    last one if ``always`` (the CPU prefills too), else none. The schedule prices the same rule."""
+    last one if ``always`` (the CPU prefills too), else none. With ``exact`` chunks (graphs that take
+    a last chunk at its own length) nothing is padded: the last one if ``always``, else none. The
+    schedule prices the same rule."""
+    if exact:
+        return 1 if always else 0
     rest = (n - 1) % chunk
     if rest <= chunk // TAIL_DIVISOR:
         return rest + 1
@@ -321,9 +327,12 @@ class Session:
         return uses
 
     def _chunk_feeds(self, ids: np.ndarray, i: int, start0: int) -> tuple[dict[str, np.ndarray], int]:
-        """The inputs of chunk ``i`` of ``ids`` (the last one zero-padded to C rows) and its real row count."""
+        """The inputs of chunk ``i`` of ``ids`` (the last one zero-padded to C rows, unless the prefill
+        program takes it at its own length: ``_exact_chunks``) and its real row count."""
         C = self.chunk
         part = ids[i * C : (i + 1) * C]
+        if self._exact_chunks:
+            return self._feeds(part, start0 + i * C), len(part)
         padded = np.zeros(C, np.int64)
         padded[: len(part)] = part
         return self._feeds(padded, start0 + i * C), len(part)
@@ -365,6 +374,24 @@ class Session:
             sess = ort.InferenceSession(str(resolve_inside(self.bundle, inst["context"])), so)
         return sess, inst["io_prefix"]
 
+    @property
+    def _exact_chunks(self) -> bool:
+        """Whether every graph prefill runs takes any row count up to C (a symbolic first dimension:
+        graphs only the CPU runs), so that a prompt's last chunk runs at its own length, not padded to C."""
+        graphs = self._decode_graphs if self._cpu_prefill else (st["name"] for st in self.program if st["kind"] == "graph")
+        return self.chunk > 1 and all(self._dynamic(n) for n in graphs)
+
+    def _dynamic(self, graph: str) -> bool:
+        """Whether ``graph``'s chunk instance takes any row count up to C (``dynamic`` in the manifest)."""
+        return bool(self.graphs[graph]["instances"].get(str(self.chunk), {}).get("dynamic", False))
+
+    def _instance_rows(self, graph: str, rows: int) -> int:
+        """The instance of ``graph`` that runs ``rows`` rows: the one of that row count, or the chunk
+        instance when it takes any count up to C."""
+        if str(rows) not in self.graphs[graph]["instances"] and 1 < rows < self.chunk and self._dynamic(graph):
+            return self.chunk
+        return rows
+
     def _on_npu(self, graph: str, processor: str) -> bool:
         """Whether ``graph`` runs on the QNN HTP: the provider is qnn, the placement says NPU and it has QNN artifacts."""
         return self.provider == "qnn" and processor == "npu" and graph in self.manifest["qnn"]["graphs"]
@@ -373,6 +400,7 @@ class Session:
         """The session of a graph instance: on the QNN HTP when the provider is qnn, the graph
         has QNN artifacts and the placement puts it on the NPU; else ONNX Runtime's CPU provider."""
         on_npu = self._on_npu(graph, processor)
+        rows = self._instance_rows(graph, rows)
         key = (graph, rows, on_npu)
         sess = self._sessions.get(key)
         if sess is not None:
@@ -640,6 +668,8 @@ class Session:
         size = next((s for s in sizes if s >= len(rows)), None)
         if size is None:
             raise BundleError(f"cannot score {len(rows)} rows at once; the head graph has instances {sizes}")
+        if size == self.chunk and self._dynamic(self._head):
+            size = len(rows)  # the head takes the rows as they are
         out = np.zeros((size, x.shape[1]), x.dtype)
         out[: len(rows)] = x[rows]
         return out
@@ -666,7 +696,8 @@ class Session:
                 hint="shorten the prompt, or recompile with a larger --max-context",
             )
         C = self.chunk
-        in_graph = tokens_in_graph(len(ids), C, self._ends_in_graph) if self._decode_graph is not None and not all_logits else 0
+        in_graph = (tokens_in_graph(len(ids), C, self._ends_in_graph, self._exact_chunks)
+                    if self._decode_graph is not None and not all_logits else 0)
         if in_graph:
             # whole chunks through the prefill program, then the tail and the last token through the decode graph
             chunked = len(ids) - in_graph

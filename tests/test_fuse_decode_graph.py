@@ -149,16 +149,22 @@ def c32_bundle(model_dirs, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("n,graph_calls,chunks", [(33, 1, 1), (35, 3, 1), (36, 1, 2), (1, 1, 0)])
-def test_prefill_ends_in_the_decode_graph(c32_bundle, model_dirs, monkeypatch, n, graph_calls, chunks):
-    """The last prompt token, and a tail of up to C/16 tokens after the last whole chunk, run through
-    the decode graph (chunk 32: up to 2), and prefill gives HF's logits; all_logits keeps the chunks."""
+@pytest.mark.parametrize("n,exact,graph_calls,chunks", [(33, True, 1, 1), (35, True, 1, 2), (36, True, 1, 2), (1, True, 1, 0),
+                                                       (33, False, 1, 1), (35, False, 3, 1), (36, False, 1, 2), (1, False, 1, 0)])
+def test_prefill_ends_in_the_decode_graph(c32_bundle, model_dirs, monkeypatch, n, exact, graph_calls, chunks):
+    """The last prompt token runs through the decode graph, and prefill gives HF's logits; all_logits
+    keeps the chunks. A cpu bundle's graphs take the last chunk at its own length (``exact``); where it
+    would be padded (the NPU's graphs), a tail of up to C/16 tokens after the last whole chunk runs
+    through the decode graph too (chunk 32: up to 2)."""
     from llmc.runtime import Session
 
     out = c32_bundle
     ids = _ids(n, seed=n)
     ref = hf_logits(model_dirs("llama"), ids)
     s = Session(out, "cpu")
+    assert s._exact_chunks
+    if not exact:  # pad the last chunk to C, as programs with fixed shapes do
+        monkeypatch.setattr(s, "_dynamic", lambda graph: False)
     assert not any(rows == 1 and name != "decode_model" for name, rows, _ in s._sessions)  # no one-row head session
     runner = s._decode_graph_runner()
     calls, chunk_starts = [], []
@@ -201,10 +207,10 @@ def test_token_ids_outside_the_vocabulary_are_named_errors(bundles):
     assert r.exit_code == 6 and f"token id {vocab} is outside the vocabulary" in r.output and "hint:" in r.output, r.output
 
 
-@pytest.mark.parametrize("n,chunks,steps", [(5, 0, 5), (257, 1, 1), (300, 2, 1)])
+@pytest.mark.parametrize("n,chunks,steps", [(5, 1, 1), (257, 1, 1), (300, 2, 1)])
 def test_schedule_prices_prefill_ending_in_the_decode_graph(tmp_path, n, chunks, steps):
     """The schedule mirrors Session.prefill (chunk 256, CPU placement): the timeline covers the chunked
-    tokens and head_s the decode-graph steps (a short tail and the last token)."""
+    tokens (the last chunk at its own length) and head_s the decode-graph step of the last token."""
     from conftest import plan_small
 
     from llmc.analyses import Schedule
@@ -225,7 +231,8 @@ def test_npu_prefill_ends_in_the_graph_only_when_that_saves_a_chunk(c32_bundle, 
     from llmc.runtime import Session
 
     s = Session(c32_bundle, "cpu")
-    s._ends_in_graph = False  # as with the QNN provider and prefill on the NPU
+    s._ends_in_graph = False  # as with the QNN provider and prefill on the NPU (fixed shapes)
+    s._dynamic = lambda graph: False
     for n, in_graph in ((35, 3), (36, 0)):
         ids = _ids(n, seed=n)
         runner, calls = s._decode_graph_runner(), []
