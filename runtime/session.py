@@ -215,9 +215,11 @@ class Session:
         self._all_steps = list(range(len(self.program)))  # decode's step order, for the prefetcher
         # The CPU's program (fuse_cpu_decode), when decode runs on the CPU; prefill uses it too (below).
         self._decode_program: list[dict[str, Any]] | None = None
+        self._cpu_head: str | None = None  # the CPU program's head graph (after its SelectRows)
         if "decode_program" in m and self._on_cpu("decode"):
             self._decode_program = m["decode_program"]
             self._cpu_tail = self._downstream_of_select(self._decode_program)
+            self._cpu_head = next((st["name"] for i, st in enumerate(self._decode_program) if i in self._cpu_tail and st["kind"] == "graph"), None)
             self._reusable |= {st["name"] for i, st in enumerate(self._decode_program) if st["kind"] == "graph" and i not in self._cpu_tail}
             self._cpu_uses = self._readers(self._decode_program)  # a chunk's values are freed after their last reader
         self._decode_graphs = {st["name"] for st in m.get("decode_program", []) if st["kind"] == "graph"}
@@ -385,10 +387,11 @@ class Session:
         """Whether ``graph``'s chunk instance takes any row count up to C (``dynamic`` in the manifest)."""
         return bool(self.graphs[graph]["instances"].get(str(self.chunk), {}).get("dynamic", False))
 
-    def _instance_rows(self, graph: str, rows: int) -> int:
-        """The instance of ``graph`` that runs ``rows`` rows: the one of that row count, or the chunk
-        instance when it takes any count up to C."""
-        if str(rows) not in self.graphs[graph]["instances"] and 1 < rows < self.chunk and self._dynamic(graph):
+    def _instance_rows(self, graph: str, rows: int, phase: str) -> int:
+        """The instance of ``graph`` that runs ``rows`` rows: in prefill the chunk instance whenever it
+        takes any count up to C (a last chunk of one row too: no one-row session, with its own copy of the
+        weights, is made for it, and every prefill row computes alike), else the one of that row count."""
+        if phase == "prefill" and rows < self.chunk and self._dynamic(graph):
             return self.chunk
         return rows
 
@@ -396,11 +399,11 @@ class Session:
         """Whether ``graph`` runs on the QNN HTP: the provider is qnn, the placement says NPU and it has QNN artifacts."""
         return self.provider == "qnn" and processor == "npu" and graph in self.manifest["qnn"]["graphs"]
 
-    def _session(self, graph: str, rows: int, processor: str = "npu"):
+    def _session(self, graph: str, rows: int, processor: str = "npu", phase: str = "decode"):
         """The session of a graph instance: on the QNN HTP when the provider is qnn, the graph
         has QNN artifacts and the placement puts it on the NPU; else ONNX Runtime's CPU provider."""
         on_npu = self._on_npu(graph, processor)
-        rows = self._instance_rows(graph, rows)
+        rows = self._instance_rows(graph, rows, phase)
         key = (graph, rows, on_npu)
         sess = self._sessions.get(key)
         if sess is not None:
@@ -546,7 +549,7 @@ class Session:
                                                  inplace=self._shadow_inplace[s["name"]])
             self.outlier_counts[s["name"]] += count
         elif op == "SelectRows":
-            res = [self._select(ins[0], logit_rows)]
+            res = [self._select(ins[0], logit_rows, phase)]
         else:
             raise BundleError(f"{self.bundle}: program step {s['name']} uses op {op!r}, which this runtime does not know",
                               hint="the bundle was made by a newer llmc; upgrade the runtime")
@@ -637,7 +640,7 @@ class Session:
         fed weights of a budgeted bundle."""
         name, rows = s["name"], buf[s["inputs"][0]].shape[0]
         processor = self._placement[phase].get(name, "npu")
-        sess, prefix = self._session(name, rows, processor)
+        sess, prefix = self._session(name, rows, processor, phase)
         on_qnn = self._on_npu(name, processor)
         i = self._step_index.get(name)
         streamed = self.residency is not None and i in self.residency.streaming.by_step
@@ -661,14 +664,17 @@ class Session:
         finally:
             self.residency.streaming.release(i)
 
-    def _select(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        if self._head is None:
+    def _select(self, x: np.ndarray, rows: np.ndarray, phase: str) -> np.ndarray:
+        """The rows of ``x`` that need logits, padded to a row count the head graph has (in prefill, as
+        they are when the running program's head takes any count up to C)."""
+        head = self._cpu_head if self._cpu_prefill and phase == "prefill" else self._head
+        if head is None:
             raise BundleError(f"{self.bundle}: the program has no head graph after SelectRows")
-        sizes = sorted(int(r) for r in self.graphs[self._head]["instances"])
+        sizes = sorted(int(r) for r in self.graphs[head]["instances"])
         size = next((s for s in sizes if s >= len(rows)), None)
         if size is None:
             raise BundleError(f"cannot score {len(rows)} rows at once; the head graph has instances {sizes}")
-        if size == self.chunk and self._dynamic(self._head):
+        if phase == "prefill" and self._dynamic(head):
             size = len(rows)  # the head takes the rows as they are
         out = np.zeros((size, x.shape[1]), x.dtype)
         out[: len(rows)] = x[rows]
@@ -678,10 +684,12 @@ class Session:
         """Feed ``ids`` after what is already in the cache; return logits.
 
         Returns the last token's logits ``[vocab]``, or with ``all_logits`` the
-        logits of every fed position ``[len(ids), vocab]``. With a decode graph
-        a tail of up to C / ``TAIL_DIVISOR`` tokens after the last whole chunk and
-        the last token go through it instead of a mostly padded chunk; when the
-        CPU also prefills, the last token always does (no one-row head session).
+        logits of every fed position ``[len(ids), vocab]``. The last chunk runs at
+        its own length when the prefill program's graphs take any row count up to
+        C (``_exact_chunks``), else padded to C. With a decode graph the last token
+        goes through it when the CPU also prefills (no one-row head session), and
+        where the last chunk would be padded, a tail of up to C / ``TAIL_DIVISOR``
+        tokens after the last whole chunk does too (instead of a mostly padded chunk).
         """
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):

@@ -156,6 +156,7 @@ def test_cpu_prefill_runs_the_cpu_program(npu_bundle, model_dirs, calib_words, m
     got = s.prefill(ids, all_logits=True)
     np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max())
     assert {name for name, _ in ran} <= s._decode_graphs and {rows for _, rows in ran} == {CHUNK, 3}  # the last chunk at its own length
+    assert ("decode_head", 3) in ran  # the head scores the last chunk's rows as they are
     s.reset()
     ran.clear()
     np.testing.assert_allclose(s.prefill(ids), ref[-1], atol=2e-3 * np.abs(ref[-1]).max())

@@ -268,3 +268,22 @@ def test_only_the_decode_graph_session_spins(bundles):
     spinning = {name for (name, _, _), (sess, _) in s._sessions.items()
                 if sess.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"}
     assert spinning == {"decode_model"} and len(s._sessions) > 1
+
+
+@pytest.mark.parametrize("n", [2, 10])
+def test_a_one_row_last_chunk_runs_on_the_chunk_instance(bundles, model_dirs, n):
+    """A prompt whose last chunk has one row (after the chunks, before the last token) runs it on the
+    chunk instance: no one-row session of a block graph (its own copy of the weights) is made in
+    prefill, and the logits are HF's, the last token's and every row's (the head at its own rows)."""
+    from llmc.runtime import Session
+
+    ids = _ids(n, seed=n)
+    ref = hf_logits(model_dirs("llama"), ids)
+    s = Session(bundles("llama"), "cpu")
+    got = s.prefill(ids)
+    assert not any(rows == 1 and name != "decode_model" for name, rows, _ in s._sessions), sorted(s._sessions)
+    np.testing.assert_allclose(got, ref[-1], atol=1e-4 * np.abs(ref[-1]).max())
+    s.reset()
+    s.position = 0
+    np.testing.assert_allclose(s.prefill(ids, all_logits=True), ref, atol=1e-4 * np.abs(ref).max())
+    assert not any(rows == 1 and name != "decode_model" for name, rows, _ in s._sessions), sorted(s._sessions)
