@@ -6,8 +6,13 @@ reports the median of ``--repeat`` runs. The parent prints a table and the
 ratios against HF eager fp32 (and llama.cpp when ``llama-cpp-python`` is
 installed; it is skipped with a note otherwise).
 
+With ``--rounds R`` every engine runs R times, the engines taking turns (each
+round in a rotated order): a VM whose speed drifts over minutes then moves all
+engines alike. Each ratio is then the median of its R per-round ratios, shown
+with their range; speeds are medians over the rounds.
+
     python benchmarks/compare.py --bundle cpu=out/cpu --bundle npu=out/npu \
-        --prompt-lens 128,512,2048 --new-tokens 32
+        --prompt-lens 128,512,2048 --new-tokens 32 --rounds 3
 
 The reference engines load the bundled SmolLM2-135M GGUF (``--gguf`` for another file).
 """
@@ -102,12 +107,45 @@ def run_child(cfg: dict) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def rotated(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s engine order: ``names`` rotated by ``r``."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def aggregate(rounds: list[dict[str, dict]], refs: tuple[str, ...] = ("hf-eager", "llama.cpp")) -> dict[str, dict]:
+    """Per engine over the rounds (each a {engine: child result}): median speeds, the largest peak RSS,
+    and for every reference engine the median and range of the per-round prefill and decode ratios.
+    An engine that failed in any round keeps that round's error."""
+    import statistics
+
+    out: dict[str, dict] = {}
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds]
+        bad = next((x for x in runs if "error" in x), None)
+        if bad is not None:
+            out[name] = {"error": bad["error"]}
+            continue
+        res = {k: statistics.median(x[k] for x in runs) for k in ("prefill_tok_s", "decode_tok_s", "ttft_s")}
+        res["peak_rss_mb"] = max(x["peak_rss_mb"] for x in runs)
+        res["ratios"] = {}
+        for ref in refs:
+            if ref not in rounds[0] or any("error" in r[ref] for r in rounds):
+                continue
+            for k in ("prefill_tok_s", "decode_tok_s"):
+                xs = [r[name][k] / r[ref][k] for r in rounds]
+                res["ratios"][f"{k.split('_')[0]}/{ref}"] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+        out[name] = res
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR", help="a compiled bundle to measure (repeatable)")
     ap.add_argument("--prompt-lens", default="128,512,2048")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="run every engine this many times, taking turns; ratios per round, then median")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gguf", default=None, help="GGUF for the reference engines (default: the bundled SmolLM2)")
     ap.add_argument("--json", action="store_true")
@@ -134,11 +172,15 @@ def main() -> None:
         n_eff = min(n, max_ctx - args.new_tokens)
         ids = token_ids(first, n_eff)
         base = {"ids": ids, "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads, "gguf": gguf}
-        results = {name: run_child({**base, "engine": "llmc", "bundle": d}) for name, d in bundles.items()}
-        results["hf-eager"] = run_child({**base, "engine": "hf"})
+        engines = {name: {"engine": "llmc", "bundle": d} for name, d in bundles.items()}
+        engines["hf-eager"] = {"engine": "hf"}
         if have_llama:
-            results["llama.cpp"] = run_child({**base, "engine": "llama.cpp"})
-        rows.append({"prompt_tokens": n_eff, "results": results})
+            engines["llama.cpp"] = {"engine": "llama.cpp"}
+        rounds = []
+        for r in range(max(args.rounds, 1)):
+            got = {name: run_child({**base, **engines[name]}) for name in rotated(list(engines), r)}
+            rounds.append({name: got[name] for name in engines})
+        rows.append({"prompt_tokens": n_eff, "results": aggregate(rounds), "rounds": rounds})
     if args.json:
         print(json.dumps({"runs": rows, "llama_cpp": have_llama}))
         return
@@ -148,7 +190,9 @@ def main() -> None:
         res = row["results"]
         hf = res["hf-eager"]
         lc = res.get("llama.cpp")
-        print(f"\nprompt {row['prompt_tokens']} tokens, {args.new_tokens} new tokens, median of {args.repeat}")
+        rounds = len(row["rounds"])
+        print(f"\nprompt {row['prompt_tokens']} tokens, {args.new_tokens} new tokens, median of {args.repeat}"
+              + (f"; {rounds} rounds, ratios: median of the per-round ratios" if rounds > 1 else ""))
         print(f"  {'engine':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MB':>12} {'prefill/HF':>11} {'decode/HF':>10}"
               + (f" {'prefill/llama':>14} {'decode/llama':>13}" if lc and "error" not in lc else ""))
         for name, r in res.items():
@@ -156,11 +200,17 @@ def main() -> None:
                 print(f"  {name:<12} error: {r['error']}")
                 continue
             line = f"  {name:<12} {r['prefill_tok_s']:14.1f} {r['decode_tok_s']:13.1f} {r['peak_rss_mb']:12.0f}"
+            q = r["ratios"]
             if "error" not in hf:
-                line += f" {r['prefill_tok_s'] / hf['prefill_tok_s']:10.2f}x {r['decode_tok_s'] / hf['decode_tok_s']:9.2f}x"
+                line += f" {q['prefill/hf-eager']['median']:10.2f}x {q['decode/hf-eager']['median']:9.2f}x"
             if lc and "error" not in lc:
-                line += f" {r['prefill_tok_s'] / lc['prefill_tok_s']:13.2f}x {r['decode_tok_s'] / lc['decode_tok_s']:12.2f}x"
+                line += f" {q['prefill/llama.cpp']['median']:13.2f}x {q['decode/llama.cpp']['median']:12.2f}x"
             print(line)
+        if rounds > 1:
+            print("  per-round ratio ranges (min..max):")
+            for name, r in res.items():
+                if "error" not in r and name not in ("hf-eager", "llama.cpp"):
+                    print(f"  {name:<12} " + ", ".join(f"{k} {v['min']:.2f}..{v['max']:.2f}" for k, v in r["ratios"].items()))
 
 
 if __name__ == "__main__":

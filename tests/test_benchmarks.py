@@ -1,0 +1,55 @@
+"""benchmarks/compare.py's bookkeeping (the engines themselves need the real model: run it by hand)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def compare():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "compare.py"
+    spec = importlib.util.spec_from_file_location("compare_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _res(pre, dec, rss=100.0):
+    return {"prefill_tok_s": pre, "decode_tok_s": dec, "ttft_s": 1.0 / pre, "peak_rss_mb": rss}
+
+
+def test_engines_take_turns(compare):
+    names = ["a", "b", "hf-eager", "llama.cpp"]
+    orders = [compare.rotated(names, r) for r in range(4)]
+    assert orders[0] == names and orders[1] == ["b", "hf-eager", "llama.cpp", "a"]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert [o[0] for o in orders] == names  # every engine runs first once in four rounds
+
+
+def test_ratios_are_medians_of_per_round_ratios(compare):
+    """A machine that slows down between rounds moves every engine alike: the per-round ratios stay
+    put where ratios of the medians would not."""
+    rounds = [
+        {"x": _res(400, 100), "hf-eager": _res(200, 10), "llama.cpp": _res(100, 50)},
+        {"x": _res(300, 75), "hf-eager": _res(150, 7.5), "llama.cpp": _res(75, 37.5, rss=150)},  # 25% slower
+        {"x": _res(330, 90), "hf-eager": _res(100, 9), "llama.cpp": _res(110, 45)},
+    ]
+    out = compare.aggregate(rounds)
+    x = out["x"]
+    assert x["prefill_tok_s"] == 330 and x["decode_tok_s"] == 90
+    assert x["ratios"]["prefill/hf-eager"] == {"median": 2.0, "min": 2.0, "max": 3.3}
+    assert x["ratios"]["decode/llama.cpp"]["median"] == pytest.approx(2.0)
+    assert out["llama.cpp"]["peak_rss_mb"] == 150
+    assert out["hf-eager"]["ratios"]["prefill/hf-eager"]["median"] == 1.0
+
+
+def test_a_failed_round_is_reported(compare):
+    rounds = [{"x": _res(1, 1), "hf-eager": _res(1, 1)}, {"x": {"engine": "llmc", "error": "boom"}, "hf-eager": _res(1, 1)}]
+    out = compare.aggregate(rounds)
+    assert out["x"] == {"error": "boom"} and "ratios" in out["hf-eager"]
+    rounds[1]["hf-eager"] = {"error": "no model"}
+    assert compare.aggregate(rounds)["x"] == {"error": "boom"}
+    assert compare.aggregate([{"y": _res(2, 2), "hf-eager": {"error": "no model"}}])["y"]["ratios"] == {}
