@@ -92,14 +92,14 @@ def write_weights(graph: Graph, names: Iterable[str], root: Path) -> dict[str, d
 
 class _Builder:
     def __init__(self, graph: Graph, sub: Subgraph, rows: int, weights: dict[str, dict[str, Any]], streamed: frozenset[str] = frozenset()) -> None:
-        # the largest instance of a dynamic_rows subgraph takes any row count up to ``rows``
-        self.dynamic = sub.dynamic_rows and rows > 1 and rows == max(sub.row_counts)
         from onnx import helper
 
         self.helper = helper
         self.graph = graph
         self.sub = sub
         self.rows = rows
+        # the largest instance of a dynamic_rows subgraph takes any row count up to ``rows``
+        self.dynamic = sub.dynamic_rows and rows > 1 and rows == max(sub.row_counts)
         self.weights = weights
         self.streamed = streamed
         self.nodes: list[Any] = []

@@ -34,9 +34,10 @@ from llmc.pass_manager import Pass, PassContext, PassResult
 
 W_ZERO_POINT = 0
 FED_ZERO_POINT = 128  # the uint8 form of the same values, for weights fed at run time (see Quantize)
+CODE_DTYPE = {W_ZERO_POINT: "int8", FED_ZERO_POINT: "uint8"}  # the stored codes' type, by zero point
 
 
-def quantize_weight(w: np.ndarray, per_channel: bool, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def quantize_weight(w: np.ndarray, per_channel: bool, offset: int = W_ZERO_POINT) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 in [-127, 127].
 
     Returns (q [in, out] int8, scale [out] or [1] float32). ONNX Runtime's x86
@@ -55,7 +56,7 @@ def quantize_weight(w: np.ndarray, per_channel: bool, offset: int = 0) -> tuple[
     else:
         amax = np.array([max((float(np.abs(w[i : i + step]).max()) for i in blocks), default=0.0)], np.float32)
     scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.empty((in_f, out_f), np.uint8 if offset else np.int8)
+    q = np.empty((in_f, out_f), CODE_DTYPE[offset])
     for i in blocks:
         b = w[i : i + step] / (scale[i : i + step, None] if per_channel else scale)
         np.rint(b, out=b)
@@ -103,7 +104,7 @@ class Quantize(Pass):
                     self._cache[name] = quantize_weight(store.load(name), per_channel, zero_point)
                 return self._cache.pop(name) if pop else self._cache[name]
 
-            qweight = store.derived(f"{wref.name}.q8", (in_f, out_f), "uint8" if zero_point else "int8", lambda qw=qw: qw()[0])
+            qweight = store.derived(f"{wref.name}.q8", (in_f, out_f), CODE_DTYPE[zero_point], lambda qw=qw: qw()[0])
             wscale = store.derived(f"{wref.name}.scale", (out_f if per_channel else 1,), "float32", lambda qw=qw: qw(pop=True)[1])
             weights = {"qweight": qweight, "wscale": wscale}
             if "bias" in node.weights:

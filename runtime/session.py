@@ -215,14 +215,16 @@ class Session:
         self._all_steps = list(range(len(self.program)))  # decode's step order, for the prefetcher
         # The CPU's program (fuse_cpu_decode), when decode runs on the CPU; prefill uses it too (below).
         self._decode_program: list[dict[str, Any]] | None = None
-        self._cpu_head: str | None = None  # the CPU program's head graph (after its SelectRows)
+        cpu_program = m.get("decode_program", [])
+        cpu_tail = self._downstream_of_select(cpu_program)  # its steps after SelectRows
+        self._cpu_head: str | None = None  # the CPU program's head graph
         if "decode_program" in m and self._on_cpu("decode"):
-            self._decode_program = m["decode_program"]
-            self._cpu_tail = self._downstream_of_select(self._decode_program)
-            self._cpu_head = next((st["name"] for i, st in enumerate(self._decode_program) if i in self._cpu_tail and st["kind"] == "graph"), None)
+            self._decode_program = cpu_program
+            self._cpu_tail = cpu_tail
+            self._cpu_head = next((st["name"] for i, st in enumerate(cpu_program) if i in cpu_tail and st["kind"] == "graph"), None)
             self._reusable |= {st["name"] for i, st in enumerate(self._decode_program) if st["kind"] == "graph" and i not in self._cpu_tail}
             self._cpu_uses = self._readers(self._decode_program)  # a chunk's values are freed after their last reader
-        self._decode_graphs = {st["name"] for st in m.get("decode_program", []) if st["kind"] == "graph"}
+        self._decode_graphs = {st["name"] for st in cpu_program if st["kind"] == "graph"}
         # Prefill runs the same program at chunk rows when the CPU runs every prefill graph (the CPU provider, or a
         # placement that keeps prefill off the NPU) and its graphs have those instances (bundles before them do not);
         # otherwise the chunk program, whose quantized graphs run on the HTP.
@@ -240,7 +242,7 @@ class Session:
         # the head graphs (after SelectRows), and those prefill's last-token logits run at one row: the CPU program's
         # when it prefills, else the chunk program's; none when the decode graph always scores the last token
         # (scoring with all_logits creates them when a chunk has one row)
-        cpu_heads = {st["name"] for i, st in enumerate(m.get("decode_program", [])) if i in self._downstream_of_select(m["decode_program"])}
+        cpu_heads = {cpu_program[i]["name"] for i in cpu_tail}
         self._heads = cpu_heads | {self._head}
         self._one_row_heads = set() if self._ends_in_graph else cpu_heads if self._cpu_prefill else {self._head}
         self._bound: dict[tuple[str, int], BoundGraph] = {}

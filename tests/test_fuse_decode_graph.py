@@ -287,3 +287,21 @@ def test_a_one_row_last_chunk_runs_on_the_chunk_instance(bundles, model_dirs, n)
     s.position = 0
     np.testing.assert_allclose(s.prefill(ids, all_logits=True), ref, atol=1e-4 * np.abs(ref).max())
     assert not any(rows == 1 and name != "decode_model" for name, rows, _ in s._sessions), sorted(s._sessions)
+
+
+def test_schedule_prices_the_last_chunk_at_its_own_rows(tmp_path):
+    """A cpu bundle's graphs take the last chunk at its own length, and the schedule prices each of its
+    steps at those rows (300 tokens, chunk 256: the last token in the decode graph, a 43-row chunk)."""
+    from conftest import plan_small
+
+    from llmc.analyses import ChunkPlan, Schedule
+    from llmc.passes import DEFAULT_PIPELINES
+    from llmc.passes.place import cost_model
+
+    g, ctx = plan_small(tmp_path, pipeline=DEFAULT_PIPELINES["plan-cpu"], target="cpu", prompt_len=300)
+    plan, cm = ctx.get(ChunkPlan), cost_model(g, ctx)
+    assert all(s.dynamic_rows for s in plan.subgraphs)
+    last = [t for t in ctx.get(Schedule).chosen.tasks if t.chunk == 1]
+    assert last
+    for t in last:
+        assert t.end - t.start == pytest.approx(cm.step_seconds(plan.steps[t.step], 43, 43, 256 + 43, "cpu"))
