@@ -26,8 +26,10 @@ QLinear         QuantizeLinear, DequantizeLinear (x: uint8; W: int8, zero point 
                 MatMulIntegerToFloat; see llmc.runtime.cpu for the int8 weights)
 BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for the
                 codes, then (when the weights have offsets) Gemm(block sums of x,
-                offsets, C = that result) (+ bias as Add); the block sums (Reshape, ReduceSum) once per input and
-                graph; one-row instances with accuracy_level=4 (int8 activations
+                offsets, C = that result) (+ bias as Add); with the offsets folded into
+                the codes (offset_digits D, fold_block_offsets) one MatMulNBits over
+                Concat(x, D copies of the block sums, Pad-ded to whole blocks); the
+                block sums (Reshape, ReduceSum) once per input and graph; one-row instances with accuracy_level=4 (int8 activations
                 per block: 2-4x faster at one row here), 4-bit chunk instances
                 with accuracy_level=0 (float32 compute: 1.2x faster than int8 at
                 256 rows here); 8-bit always 4 (ONNX Runtime 1.32 has no packed
@@ -175,11 +177,14 @@ class _Builder:
             if "bias" in n.weights:  # Sum: see the residual Add below
                 self.add("Sum", [out[0], self.weight(n.weights["bias"])], y, f"{n.name}.bias")
         elif n.op == "BlockQLinear":
-            # y = MatMulNBits(x; codes, scales; zero point 2^(bits-1)) + blocksum(x) @ offsets
+            # y = MatMulNBits(x; codes, scales; zero point 2^(bits-1)) + blocksum(x) @ offsets, or with the
+            # offsets folded into the codes (fold_block_offsets) MatMulNBits([x, block sums, ...]; codes, scales)
             qw = n.weights["qweight"]
             out_f, nb, _ = qw.shape
             block, bits = a["block_size"], a["bits"]
-            ins = x + [self.weight(qw), self.weight(n.weights["scales"])]
+            digits = a.get("offset_digits", 0)
+            xin = self.widened(x[0], block, digits) if digits else x[0]
+            ins = [xin, self.weight(qw), self.weight(n.weights["scales"])]
             out = [f"{n.name}.sum"] if "bias" in n.weights else y
             self.add("MatMulNBits", ins, [f"{n.name}.codes"] if "offsets" in n.weights else out, n.name, domain=MS_DOMAIN, K=nb * block,
                      N=out_f, bits=bits, block_size=block, accuracy_level=4 if self.rows == 1 or bits == 8 else 0)
@@ -234,6 +239,22 @@ class _Builder:
             axes = self.const(f"{out}.axes", np.array([2], np.int64))
             self.add("Reshape", [x, shape], [f"{out}.blocks"], f"{out}.blocks")
             self.add("ReduceSum", [f"{out}.blocks", axes], [out], out, keepdims=0)
+        return out
+
+    def widened(self, x: str, block: int, digits: int) -> str:
+        """``[x, P, ..., P]`` with ``digits`` copies of P, x's block sums zero-padded to whole blocks
+        (:func:`llmc.runtime.kernels.widen_with_block_sums`); once per value and graph."""
+        out = f"{x}.widened{digits}"
+        if out not in self.made_once:
+            self.made_once.add(out)
+            nb = self.values[x].shape[-1] // block
+            sums = self.block_sums(x, nb, block)
+            pad = -nb % block
+            if pad:
+                pads = self.const(f"{out}.pads", np.array([0, 0, 0, pad], np.int64))
+                self.add("Pad", [sums, pads], [f"{out}.sums"], f"{out}.sums")
+                sums = f"{out}.sums"
+            self.add("Concat", [x] + [sums] * digits, [out], out, axis=1)
         return out
 
     def drops(self, v: Value) -> bool:

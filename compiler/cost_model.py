@@ -20,7 +20,8 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   A ``Linear`` placed on the NPU of a target that quantizes is costed as QLinear.
 * ``BlockQLinear`` (CPU, weight-only b-bit codes in blocks of B): the bytes it
   reads, ``KN (b/8 + 8/B) / cpu.mem_bytes_per_s`` (``4/B`` for symmetric codes, which have no
-  offsets), against its arithmetic:
+  offsets; with folded offsets, ``fold_block_offsets``, K counts the digits' blocks too and the
+  offsets are no separate read), against its arithmetic:
   ``2RKN / cpu.fp32_flops_per_s`` for a chunk (the backend computes chunks in
   float32), ``2KN / cpu.int8_gemv_ops_per_s`` at one row (int8 activations),
   falling back to the float32 rate when the profile has no int8 rate.
@@ -42,7 +43,7 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   adds ``sync_s`` (the ``place`` and ``schedule`` passes charge it).
 * A graph on the CPU also pays ``cpu.node_s`` (default 0) per kernel it runs:
   QLinear 2 (quantize, integer matmul), BlockQLinear 3 (MatMulNBits, the
-  offsets' Gemm, the block sums), ShadowOutliers lowered into a graph 8
+  offsets' Gemm or the widened input's Concat, the block sums), ShadowOutliers lowered into a graph 8
   plus one per output and a split, everything else 1. At one row these fixed
   costs are a large part of a decode step.
 * Decode follows the program the runtime runs: when every decode graph is placed
@@ -138,7 +139,8 @@ class CostModel:
             nout, nb, width = node.weights["qweight"].shape
             block = node.attrs["block_size"]
             k = nb * block
-            read = nout * nb * (width + 4.0 * (1 + ("offsets" in node.weights))) / p["cpu.mem_bytes_per_s"]  # codes, a scale (and an offset) per block
+            # codes, a scale (and an offset) per block; folded offsets (fold_block_offsets) are more blocks of codes
+            read = nout * nb * (width + 4.0 * (1 + ("offsets" in node.weights))) / p["cpu.mem_bytes_per_s"]
             rate = p.get("cpu.int8_gemv_ops_per_s") if rows == 1 else None
             return max(read, 2.0 * rows * k * nout / (rate or p["cpu.fp32_flops_per_s"]))
         if op in ELEMENTWISE:
@@ -291,8 +293,9 @@ def _kernels(node: Node) -> int:
     if node.op == "QLinear":
         return 2
     if node.op == "BlockQLinear":
-        # MatMulNBits, the offsets' Gemm, and (about once per Linear) the block sums' Reshape + ReduceSum
-        return 3 if "offsets" in node.weights else 1
+        # MatMulNBits, the offsets' Gemm (folded offsets: the Concat of the widened input), and (about once
+        # per Linear) the block sums' Reshape + ReduceSum
+        return 3 if "offsets" in node.weights or node.attrs.get("offset_digits") else 1
     if node.op == "ShadowOutliers":
         splits = len(node.attrs["splits"])
         return 8 + splits + (1 if splits > 1 else 0)

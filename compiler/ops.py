@@ -126,11 +126,24 @@ def _block_codes(node: "Node") -> tuple[int, int, int]:
     return n, nb, block
 
 
+def folded_blocks(in_features: int, block: int, digits: int) -> int:
+    """Blocks per output channel of a ``BlockQLinear`` of ``in_features`` inputs whose offsets are
+    folded into its codes as ``digits`` digits (``llmc.passes.fold_block_offsets``): the input's
+    blocks, then per digit the block sums' blocks (``ceil(blocks / block)``)."""
+    nb = in_features // block
+    return nb + digits * -(-nb // block)
+
+
 def _blockqlinear(node: "Node"):
     (x,) = node.inputs
     out_f, nb, block = _block_codes(node)
-    if x.shape[-1] != nb * block:
-        raise ValueError(f"input has {x.shape[-1]} features, weight expects {nb * block}")
+    digits = node.attrs.get("offset_digits", 0)
+    if digits and ("offsets" in node.weights or node.attrs["bits"] != 4):
+        raise ValueError("folded offsets (offset_digits) are 4-bit codes and replace the offsets weight")
+    k = x.shape[-1]
+    if k % block or folded_blocks(k, block, digits) != nb:
+        folded = f" ({digits} offset digits)" if digits else ""
+        raise ValueError(f"input has {k} features, the weight's {nb} blocks of {block}{folded} do not match it")
     if "bias" in node.weights and node.weights["bias"].shape != (out_f,):
         raise ValueError("bias shape does not match weight")
     return [((_rows(node), out_f), "float32")]
@@ -266,7 +279,8 @@ OPS: dict[str, OpDef] = {
             ("block_size", "bits"),
             ("qweight", "scales"),
             ("offsets", "bias"),
-            "weight-only 4/8-bit: x @ (s * (q - 2^(bits-1)) + o)^T (+ b), a scale and (optional) an offset per block of inputs; float activations",
+            "weight-only 4/8-bit: x @ (s * (q - 2^(bits-1)) + o)^T (+ b), a scale and (optional) an offset per block of inputs; float activations;"
+            " with offset_digits D the offsets are extra blocks of the codes, read by D copies of x's block sums",
             _blockqlinear,
         ),
         OpDef("RMSNorm", "static", (1, 1), ("eps", "offset"), ("weight",), (), "x * rsqrt(mean(x^2) + eps) * (offset + w)", _norm),

@@ -11,6 +11,7 @@ from llmc.passes.calibrate_ranges import CalibrateRanges
 from llmc.passes.chunk_static_graphs import ChunkStaticGraphs
 from llmc.passes.dce import DeadCodeElimination
 from llmc.passes.extract_shadow_outliers import ExtractShadowOutliers
+from llmc.passes.fold_block_offsets import FoldBlockOffsets
 from llmc.passes.fuse_cpu_decode import FuseCpuDecode
 from llmc.passes.fuse_decode_graph import FuseDecodeGraph
 from llmc.passes.fuse_sibling_linears import FuseSiblingLinears
@@ -22,7 +23,7 @@ from llmc.passes.quantize_kv_cache import QuantizeKVCache
 from llmc.passes.schedule import ScheduleSteps
 from llmc.passes.select_logit_rows import SelectLogitRows
 
-ALL_PASSES = [DeadCodeElimination, Calibrate, QuantizeKVCache, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
+ALL_PASSES = [DeadCodeElimination, Calibrate, QuantizeKVCache, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, FoldBlockOffsets, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
               AssumeShadowPlan, AssumeKVCache]
 REGISTRY = {p.name: p for p in ALL_PASSES}
 
@@ -30,13 +31,13 @@ REGISTRY = {p.name: p for p in ALL_PASSES}
 DEFAULT_PIPELINES = {
     "cpu": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # --target cpu --weights int4
-    "cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
+    "cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,fold_block_offsets,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,fuse_sibling_linears,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
     "mlir": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # `llmc plan`: no weights, so no calibration; the program has the npu target's shape
     "plan-npu": "dce,select_logit_rows,assume_shadow_plan,quantize,fuse_sibling_linears,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
     "plan-cpu": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
-    "plan-cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
+    "plan-cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,fold_block_offsets,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # --target npu --soc S: every NPU tensor gets a QDQ range for the HTP
     "npu-qnn": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,fuse_sibling_linears,calibrate_ranges,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
 }

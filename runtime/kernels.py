@@ -92,6 +92,17 @@ def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray
     return q.reshape(n, -1)
 
 
+def widen_with_block_sums(x: np.ndarray, block: int, digits: int) -> np.ndarray:
+    """``[x, P, ..., P]`` (``digits`` copies of P): the input of a ``BlockQLinear`` whose offsets are
+    folded into its codes (``llmc.passes.fold_block_offsets``). P is x summed over each block of
+    ``block`` inputs, zero-padded to a multiple of ``block`` entries."""
+    rows, k = x.shape
+    nb = k // block
+    p = np.zeros((rows, -(-nb // block) * block), np.float32)
+    p[:, :nb] = x.reshape(rows, nb, block).sum(axis=2)
+    return np.concatenate([x] + [p] * digits, axis=1)
+
+
 def block_embedding(ids: np.ndarray, codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, bits: int, scale: float) -> np.ndarray:
     """Rows ``ids`` of block-quantized weights (see :func:`dequantize_blocks`), times ``scale``."""
     v, nb, _ = codes.shape

@@ -1,5 +1,6 @@
 """Weight-only int4 for the CPU (``--target cpu --weights int4``): the block format, the
-quantize_int4 pass, the ONNX lowering (MatMulNBits + the offsets' Gemm) and bundles end to end."""
+quantize_int4 pass, the ONNX lowering (MatMulNBits over the input widened with its block sums, the offsets
+folded into the codes by fold_block_offsets) and bundles end to end."""
 
 from __future__ import annotations
 
@@ -211,7 +212,8 @@ def test_lowering_is_matmulnbits_with_accuracy_by_rows(int4_bundles):
             seen[int(rows)] += len(mm) if name != m["decode_graph"] else 0
     assert seen[1] == seen[CHUNK] == 2 * 4 + 1  # q/k/v and gate/up merged (fuse_sibling_linears)
     decode_ops = [n.op_type for n in onnx.load(root / m["graphs"][m["decode_graph"]]["instances"]["1"]["file"], load_external_data=False).graph.node]
-    assert decode_ops.count("MatMulNBits") == 9 and decode_ops.count("Gemm") == 8  # the symmetric head has no offsets' Gemm
+    # the offsets folded into the codes (fold_block_offsets): no Gemm, one widened input per 4-bit matmul's input
+    assert decode_ops.count("MatMulNBits") == 9 and "Gemm" not in decode_ops and decode_ops.count("Concat") == 8
     # after ONNX Runtime's optimisations the MatMulNBits nodes are still there (no float fallback)
     from llmc.runtime import Session
 
