@@ -27,8 +27,9 @@ QLinear         QuantizeLinear, DequantizeLinear (x: uint8; W: int8, zero point 
 BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for the
                 codes, then (when the weights have offsets) Gemm(block sums of x,
                 offsets, C = that result) (+ bias as Add); with the offsets folded into
-                the codes (offset_digits D, fold_block_offsets) one MatMulNBits over
-                Concat(x, D copies of the block sums, Pad-ded to whole blocks); the
+                zero points and the codes (offset_digits D, fold_block_offsets) one
+                MatMulNBits over Concat(x, D copies of the block sums, Pad-ded to whole
+                blocks); the
                 block sums (Reshape, ReduceSum) once per input and graph; one-row instances with accuracy_level=4 (int8 activations
                 per block: 2-4x faster at one row here), 4-bit chunk instances
                 with accuracy_level=0 (float32 compute: 1.2x faster than int8 at
@@ -185,6 +186,8 @@ class _Builder:
             digits = a.get("offset_digits", 0)
             xin = self.widened(x[0], block, digits) if digits else x[0]
             ins = [xin, self.weight(qw), self.weight(n.weights["scales"])]
+            if "zero_points" in n.weights:
+                ins.append(self.weight(n.weights["zero_points"]))
             out = [f"{n.name}.sum"] if "bias" in n.weights else y
             self.add("MatMulNBits", ins, [f"{n.name}.codes"] if "offsets" in n.weights else out, n.name, domain=MS_DOMAIN, K=nb * block,
                      N=out_f, bits=bits, block_size=block, accuracy_level=4 if self.rows == 1 or bits == 8 else 0)

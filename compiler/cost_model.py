@@ -20,8 +20,8 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   A ``Linear`` placed on the NPU of a target that quantizes is costed as QLinear.
 * ``BlockQLinear`` (CPU, weight-only b-bit codes in blocks of B): the bytes it
   reads, ``KN (b/8 + 8/B) / cpu.mem_bytes_per_s`` (``4/B`` for symmetric codes, which have no
-  offsets; with folded offsets, ``fold_block_offsets``, K counts the digits' blocks too and the
-  offsets are no separate read), against its arithmetic:
+  offsets; with folded offsets, ``fold_block_offsets``, K counts the digits' blocks too, and half a
+  byte of zero point per block replaces the offset), against its arithmetic:
   ``2RKN / cpu.fp32_flops_per_s`` for a chunk (the backend computes chunks in
   float32), ``2KN / cpu.int8_gemv_ops_per_s`` at one row (int8 activations),
   falling back to the float32 rate when the profile has no int8 rate.
@@ -43,7 +43,8 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   adds ``sync_s`` (the ``place`` and ``schedule`` passes charge it).
 * A graph on the CPU also pays ``cpu.node_s`` (default 0) per kernel it runs:
   QLinear 2 (quantize, integer matmul), BlockQLinear 3 (MatMulNBits, the
-  offsets' Gemm or the widened input's Concat, the block sums), ShadowOutliers lowered into a graph 8
+  offsets' Gemm or the widened input's Concat, the block sums; 4 with a Pad
+  of the sums), ShadowOutliers lowered into a graph 8
   plus one per output and a split, everything else 1. At one row these fixed
   costs are a large part of a decode step.
 * Decode follows the program the runtime runs: when every decode graph is placed
@@ -139,8 +140,10 @@ class CostModel:
             nout, nb, width = node.weights["qweight"].shape
             block = node.attrs["block_size"]
             k = nb * block
-            # codes, a scale (and an offset) per block; folded offsets (fold_block_offsets) are more blocks of codes
-            read = nout * nb * (width + 4.0 * (1 + ("offsets" in node.weights))) / p["cpu.mem_bytes_per_s"]
+            # codes, a scale (and an offset, or half a byte of zero point) per block; folded offsets
+            # (fold_block_offsets) are zero points and more blocks of codes
+            extra = 4.0 if "offsets" in node.weights else 0.5 if "zero_points" in node.weights else 0.0
+            read = nout * nb * (width + 4.0 + extra) / p["cpu.mem_bytes_per_s"]
             rate = p.get("cpu.int8_gemv_ops_per_s") if rows == 1 else None
             return max(read, 2.0 * rows * k * nout / (rate or p["cpu.fp32_flops_per_s"]))
         if op in ELEMENTWISE:
@@ -293,9 +296,12 @@ def _kernels(node: Node) -> int:
     if node.op == "QLinear":
         return 2
     if node.op == "BlockQLinear":
-        # MatMulNBits, the offsets' Gemm (folded offsets: the Concat of the widened input), and (about once
-        # per Linear) the block sums' Reshape + ReduceSum
-        return 3 if "offsets" in node.weights or node.attrs.get("offset_digits") else 1
+        # MatMulNBits, the offsets' Gemm, and (about once per Linear) the block sums' Reshape + ReduceSum;
+        # folded offsets: the widened input's Concat instead of the Gemm, and its Pad unless the block sums fill whole blocks
+        if node.attrs.get("offset_digits"):
+            block = node.attrs["block_size"]
+            return 3 + bool(node.inputs[0].shape[-1] // block % block)
+        return 3 if "offsets" in node.weights else 1
     if node.op == "ShadowOutliers":
         splits = len(node.attrs["splits"])
         return 8 + splits + (1 if splits > 1 else 0)

@@ -129,7 +129,8 @@ class Interpreter:
             b = self.weight(n, "bias")
             return [y + b if b is not None else y]
         if op == "BlockQLinear":
-            w = kernels.dequantize_blocks(self.weight(n, "qweight"), self.weight(n, "scales"), self.weight(n, "offsets"), a["bits"])
+            w = kernels.dequantize_blocks(self.weight(n, "qweight"), self.weight(n, "scales"), self.weight(n, "offsets"), a["bits"],
+                                          self.weight(n, "zero_points"))
             digits = a.get("offset_digits", 0)  # offsets folded into the codes (fold_block_offsets)
             y = (kernels.widen_with_block_sums(x[0], a["block_size"], digits) if digits else x[0]) @ w.T
             b = self.weight(n, "bias")

@@ -123,6 +123,8 @@ def _block_codes(node: "Node") -> tuple[int, int, int]:
         raise ValueError(f"{width} bytes per block do not hold {block} {bits}-bit codes (bits must be 4 or 8)")
     if node.weights["scales"].shape != (n * nb,) or ("offsets" in node.weights and node.weights["offsets"].shape != (nb, n)):
         raise ValueError("scales must be [N * blocks] and offsets [blocks, N]")
+    if "zero_points" in node.weights and (bits != 4 or node.weights["zero_points"].shape != (n, -(-nb // 2))):
+        raise ValueError("zero points are 4-bit, two blocks a byte: [N, ceil(blocks / 2)]")
     return n, nb, block
 
 
@@ -138,8 +140,8 @@ def _blockqlinear(node: "Node"):
     (x,) = node.inputs
     out_f, nb, block = _block_codes(node)
     digits = node.attrs.get("offset_digits", 0)
-    if digits and ("offsets" in node.weights or node.attrs["bits"] != 4):
-        raise ValueError("folded offsets (offset_digits) are 4-bit codes and replace the offsets weight")
+    if digits and ("offsets" in node.weights or node.attrs["bits"] != 4 or "zero_points" not in node.weights):
+        raise ValueError("folded offsets (offset_digits) are 4-bit codes with zero points and replace the offsets weight")
     k = x.shape[-1]
     if k % block or folded_blocks(k, block, digits) != nb:
         folded = f" ({digits} offset digits)" if digits else ""
@@ -278,9 +280,10 @@ OPS: dict[str, OpDef] = {
             (1, 1),
             ("block_size", "bits"),
             ("qweight", "scales"),
-            ("offsets", "bias"),
-            "weight-only 4/8-bit: x @ (s * (q - 2^(bits-1)) + o)^T (+ b), a scale and (optional) an offset per block of inputs; float activations;"
-            " with offset_digits D the offsets are extra blocks of the codes, read by D copies of x's block sums",
+            ("offsets", "zero_points", "bias"),
+            "weight-only 4/8-bit: x @ (s * (q - z) + o)^T (+ b), a scale, (optional) an offset and (optional, 4-bit) a zero point z"
+            " per block of inputs (z = 2^(bits-1) without); float activations; with offset_digits D (fold_block_offsets) the"
+            " offsets are zero points and extra blocks of the codes, read by D copies of x's block sums",
             _blockqlinear,
         ),
         OpDef("RMSNorm", "static", (1, 1), ("eps", "offset"), ("weight",), (), "x * rsqrt(mean(x^2) + eps) * (offset + w)", _norm),

@@ -1,4 +1,4 @@
-"""fold_block_offsets: a BlockQLinear's offsets become extra blocks of its own codes.
+"""fold_block_offsets: a BlockQLinear's offsets become zero points and extra blocks of its own codes.
 
 ``quantize_int4`` stores a weight as ``s (q - 8) + o`` per block of 32 inputs, so
 its matmul has two terms (``xs``: x summed over each block, ``O``: the offsets)::
@@ -10,38 +10,49 @@ float offset (float zero points take its dequantizing path, 30-40x slower), so
 the second was a float ``Gemm`` of its own. In SmolLM2's decode graph that is
 120 Gemms per token: ~25% of a token's time for 11% of its bytes.
 
-This pass writes each output channel's offsets as D base-14 digits of 4-bit
-codes and appends them to that channel's codes as extra blocks. Then one
-``MatMulNBits`` computes both terms, over the input widened with D copies of
-its block sums (P: xs zero-padded to a multiple of 32 entries)::
+This pass moves each offset into the one ``MatMulNBits``, in two parts:
 
-    y = [x, P, ..., P] @ (s' (q' - 8))^T
+* **Zero points.** The whole steps of the offset go into the block's 4-bit zero
+  point: ``z = clip(round(8 - o / s), 0, 15)``, so ``o = s (8 - z) + r`` with
+  ``|r| <= s / 2`` unless z was clipped. ``MatMulNBits`` then computes the
+  block as ``s (q - z)``.
+* **Digits.** The remainders r of an output channel are written as D base-14
+  digits of 4-bit codes and appended to that channel's codes as extra blocks.
+  The input is widened with D copies of its block sums (P: xs zero-padded to a
+  multiple of 32 entries)::
 
-Digit j of channel n has the scale ``t_j = max_b |o_bn| / (7 * 14^j)`` and codes
-``c - 8`` in [-7, 7], taken greedily: ``c_j = round(r_j / t_j)``, ``r_{j+1} =
-r_j - t_j c_j``, starting from ``r_0 = o``. Each remainder stays within half a
-step of the previous digit, which is 7 steps of the next one, so after D digits
-``|o - ô| <= max_b |o_bn| / 14^D``. With D = 3 that is 1/2744 of the channel's
-largest offset. On SmolLM2 that is a mean of 0.0007 and at most 0.039 of the
-block's own quantization step.
+      y = [x, P, ..., P] @ (s' (q' - z'))^T
+
+  Digit j has the scale ``t_j = max_b |r_bn| / (7 * 14^j)`` and codes ``c - 8``
+  in [-7, 7], taken greedily: ``c_j = round(rest_j / t_j)``, ``rest_{j+1} =
+  rest_j - t_j c_j``, starting from ``rest_0 = r``. Each remainder stays within
+  half a step of the previous digit, which is 7 steps of the next one, so after D
+  digits ``|r - r̂| <= max_b |r_bn| / 14^D``. With D = 3 that is 1/2744 of the
+  channel's largest remainder, itself half a quantization step where no zero
+  point was clipped.
+
+A constant block (scale 0, the offset holds its value) gets codes 15 and the
+scale ``o / 7`` with zero point 8, so it is exact without digits.
 
 Numerics:
 * chunk graphs compute in float32, so they differ from the offsets' exact term
   by the digits' remainder only;
-* one-row graphs quantize their input to int8 per block (``accuracy_level=4``),
-  and the block sums with it. llama.cpp's Q4_1 x Q8_1 dot product likewise
-  uses the sums of the quantized activations.
+* one-row graphs quantize their input to int8 per block (``accuracy_level=4``).
+  The zero points' part of the offsets then uses each block's own quantized sum,
+  as llama.cpp's Q4_1 x Q8_1 dot product does. The remainders' part uses the
+  float block sums, quantized with one scale per 32 of them.
 
-The codes grow by ``D * ceil(blocks / 32)`` blocks per channel and the float
-offsets go. For SmolLM2 that is 60 B instead of 72 B per channel of q/k/v,
-o_proj and gate/up, and 120 B instead of 192 B for down_proj. Chunk graphs
-multiply over that many more inputs (+17% for 576 inputs, +12.5% for 1,536).
-Measured on SmolLM2 (``docs/performance.md``): decode +18-25%, int4 prefill
--7%, perplexity 11.8808 -> 11.8777 on 1,024 held-out tokens.
+Per output channel the codes grow by ``D * ceil(blocks / 32)`` blocks and the
+zero points take half a byte per block, while the float offsets go. For SmolLM2
+that is 71 B instead of 72 B per channel of q/k/v, o_proj and gate/up, and 147 B
+instead of 192 B for down_proj. Chunk graphs multiply over that many more inputs
+(+17% for 576 inputs, +12.5% for 1,536). Measured on SmolLM2 in
+``docs/quantization.md``: decode 12-15% faster, prefill 4% slower, perplexity
+and decode's agreement with the chunk graphs as before.
 
 Only 4-bit ``BlockQLinear`` nodes with offsets are rewritten (the symmetric
-8-bit head has none). Run it after ``quantize_int4`` and ``fuse_sibling_linears``,
-and before ``chunk_static_graphs``.
+8-bit head has none). Run it after ``quantize_int4``; before or after
+``fuse_sibling_linears``; before ``chunk_static_graphs``.
 """
 
 from __future__ import annotations
@@ -60,7 +71,8 @@ log = logging.getLogger(__name__)
 
 DIGITS = 3
 BASE = 14  # a digit's codes are -7..7 around the zero point 8, and a remainder is within 7 steps of the next digit
-ZERO_CODE = 8  # MatMulNBits' default zero point for 4-bit codes
+MID = 8  # 4-bit codes' default zero point (MatMulNBits' too)
+TOP = 15
 
 
 def offset_digits(offsets: np.ndarray, digits: int = DIGITS) -> tuple[np.ndarray, np.ndarray]:
@@ -68,35 +80,59 @@ def offset_digits(offsets: np.ndarray, digits: int = DIGITS) -> tuple[np.ndarray
     float32) with ``sum_j scales[j, n] * (codes[j, n, b] - 8)`` within ``max_b |o_bn| / 14^digits``
     of ``offsets[b, n]``. Each digit is fitted to what the stored (float32) scales before it left."""
     rest = np.asarray(offsets, np.float64).T.copy()
-    step = np.abs(rest).max(axis=1) / (ZERO_CODE - 1)
+    step = np.abs(rest).max(axis=1) / (MID - 1)
     step[step == 0] = 1.0  # a channel whose offsets are all zero: codes 8 under any scale
     codes = np.empty((digits, *rest.shape), np.uint8)
     scales = np.empty((digits, rest.shape[0]), np.float32)
     for j in range(digits):
         scales[j] = step
         t = scales[j].astype(np.float64)[:, None]
-        c = np.clip(np.rint(rest / t), 1 - ZERO_CODE, ZERO_CODE - 1)
-        codes[j] = c + ZERO_CODE
+        c = np.clip(np.rint(rest / t), 1 - MID, MID - 1)
+        codes[j] = c + MID
         rest -= c * t
         step = step / BASE
     return codes, scales
 
 
+def split_offsets(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """4-bit codes ``[N, blocks, 16]``, scales ``[N * blocks]``, offsets ``[blocks, N]`` -> (codes,
+    scales ``[N, blocks]``, zero points ``[N, blocks]`` and remainders ``[blocks, N]``) with
+    ``s (q - z) + r`` the same weights: whole steps of each offset in the zero point, the rest in r.
+    A constant block (scale 0) becomes codes 15 at the scale ``o / 7``, zero point 8, remainder 0."""
+    s = scales.reshape(codes.shape[0], -1).copy()
+    o = np.asarray(offsets, np.float64).T
+    const = (s == 0) & (o != 0)
+    codes = codes.copy()
+    codes[const] = TOP | (TOP << 4)
+    s[const] = o[const] / (TOP - MID)
+    live = (s != 0) & ~const
+    z = np.full(s.shape, MID, np.float64)
+    z[live] = np.clip(np.rint(MID - o[live] / s[live]), 0, TOP)
+    r = o - s.astype(np.float64) * (MID - z)
+    r[const] = 0.0  # 7 * (o / 7) in float32: o up to rounding
+    return codes, s, z.astype(np.uint8), r.T
+
+
 def fold_offsets(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, block: int, digits: int = DIGITS
-                 ) -> tuple[np.ndarray, np.ndarray]:
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """4-bit codes ``[N, blocks, block / 2]``, scales ``[N * blocks]`` and offsets ``[blocks, N]`` ->
-    codes ``[N, F, block / 2]`` and scales ``[N * F]`` (F: :func:`~llmc.ops.folded_blocks`): each
-    channel's blocks, then its offsets' digits, each digit's codes padded with zeros (code 8) to
-    whole blocks."""
+    codes ``[N, F, block / 2]``, scales ``[N * F]`` and packed 4-bit zero points ``[N, ceil(F / 2)]``
+    (F: :func:`~llmc.ops.folded_blocks`): each channel's blocks (:func:`split_offsets`), then the
+    remainders' digits, each digit's codes padded with zeros (code 8) to whole blocks."""
     n, nb, _ = codes.shape
     per_digit = -(-nb // block)
-    dcodes, dscales = offset_digits(offsets, digits)
-    padded = np.full((digits, n, per_digit * block), ZERO_CODE, np.uint8)
+    codes, s, z, rest = split_offsets(codes, scales, offsets)
+    dcodes, dscales = offset_digits(rest, digits)
+    padded = np.full((digits, n, per_digit * block), MID, np.uint8)
     padded[..., :nb] = dcodes
     packed = padded[..., 0::2] | (padded[..., 1::2] << 4)  # two codes a byte, the lower input in the low nibble
     out_codes = np.concatenate([codes] + [p.reshape(n, per_digit, block // 2) for p in packed], axis=1)
-    out_scales = np.concatenate([scales.reshape(n, nb)] + [np.repeat(s[:, None], per_digit, axis=1) for s in dscales], axis=1)
-    return out_codes, out_scales.reshape(-1)
+    out_scales = np.concatenate([s] + [np.repeat(t[:, None], per_digit, axis=1) for t in dscales], axis=1)
+    zp = np.concatenate([z, np.full((n, digits * per_digit), MID, np.uint8)], axis=1)
+    if zp.shape[1] % 2:
+        zp = np.concatenate([zp, np.zeros((n, 1), np.uint8)], axis=1)
+    return out_codes, out_scales.reshape(-1), zp[:, 0::2] | (zp[:, 1::2] << 4)  # the lower block in the low nibble
 
 
 def _foldable(node: Node) -> bool:
@@ -105,12 +141,16 @@ def _foldable(node: Node) -> bool:
 
 class FoldBlockOffsets(Pass):
     name = "fold_block_offsets"
-    summary = "a 4-bit BlockQLinear's offsets as extra blocks of its codes (3 base-14 digits): one MatMulNBits, no float Gemm"
+    summary = ("a 4-bit BlockQLinear's offsets as zero points and 3 base-14 digits in extra blocks of its codes: "
+               "one MatMulNBits, no float Gemm")
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         if ctx.has(ChunkPlan):  # the plan lists every graph's weights
             raise CompileError("fold_block_offsets rewrites weights after chunk_static_graphs has listed them",
                                hint="put fold_block_offsets before chunk_static_graphs in --pipeline")
+        if not graph.find("BlockQLinear"):
+            log.warning("%s: the graph has no BlockQLinear, nothing to fold; it runs after quantize_int4", self.name)
+            return PassResult(False)
         store = graph.weights
         folded = 0
         for node in graph.nodes:
@@ -120,17 +160,17 @@ class FoldBlockOffsets(Pass):
             block = node.attrs["block_size"]
             n = qw.shape[0]
             f = folded_blocks(node.inputs[0].shape[-1], block, DIGITS)
-            cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+            cache: dict[int, np.ndarray] = {}
 
             def part(i, qw=qw, sc=sc, off=off, block=block, cache=cache):
-                # one fold serves the codes and the scales: kept by the first read, dropped by the next
-                if "v" in cache:
-                    return cache.pop("v")[i]
-                cache["v"] = fold_offsets(store.load(qw.name), store.load(sc.name), store.load(off.name), block)
-                return cache["v"][i]
+                # one fold serves the codes, the scales and the zero points; each array is dropped once read
+                if not cache:
+                    cache.update(enumerate(fold_offsets(store.load(qw.name), store.load(sc.name), store.load(off.name), block)))
+                return cache.pop(i) if i in cache else fold_offsets(store.load(qw.name), store.load(sc.name), store.load(off.name), block)[i]
 
             node.weights["qweight"] = store.derived(f"{qw.name}.fold{DIGITS}", (n, f, qw.shape[2]), "uint8", lambda part=part: part(0))
             node.weights["scales"] = store.derived(f"{sc.name}.fold{DIGITS}", (n * f,), "float32", lambda part=part: part(1))
+            node.weights["zero_points"] = store.derived(f"{qw.name}.fold{DIGITS}.zp", (n, -(-f // 2)), "uint8", lambda part=part: part(2))
             del node.weights["offsets"]
             node.attrs["offset_digits"] = DIGITS
             folded += 1

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 # how each weight of a mergeable op concatenates: the axis of its output features
 _AXES = {
     "Linear": {"weight": 0, "bias": 0},
-    "BlockQLinear": {"qweight": 0, "scales": 0, "offsets": 1, "bias": 0},
+    "BlockQLinear": {"qweight": 0, "scales": 0, "offsets": 1, "zero_points": 0, "bias": 0},
     "QLinear": {"qweight": 1, "wscale": 0, "bias": 0},
 }
 

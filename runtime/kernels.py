@@ -74,10 +74,12 @@ def embedding(ids: np.ndarray, table: np.ndarray, scale: float) -> np.ndarray:
     return out
 
 
-def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, bits: int) -> np.ndarray:
+def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, bits: int,
+                      zero_points: np.ndarray | None = None) -> np.ndarray:
     """Float32 ``[N, K]`` rows of block-quantized weights (``llmc.passes.quantize_int4``'s format: codes
     ``[N, blocks, block * bits / 8]``, scales ``[N * blocks]``, offsets ``[blocks, N]`` or None for
-    symmetric codes): ``s * (q - 2^(bits-1)) + o``."""
+    symmetric codes; ``fold_block_offsets`` adds 4-bit zero points ``[N, ceil(blocks / 2)]``, two blocks
+    a byte): ``s * (q - z) + o``, z = 2^(bits-1) without zero points."""
     n, nb, width = codes.shape
     if bits == 4:
         q = np.empty((n, nb, 2 * width), np.float32)
@@ -85,7 +87,13 @@ def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray
         q[..., 1::2] = codes >> 4
     else:
         q = codes.astype(np.float32)
-    q -= 1 << (bits - 1)
+    if zero_points is None:
+        q -= 1 << (bits - 1)
+    else:
+        z = np.empty((n, 2 * zero_points.shape[1]), np.float32)
+        z[:, 0::2] = zero_points & 15
+        z[:, 1::2] = zero_points >> 4
+        q -= z[:, :nb, None]
     q *= scales.reshape(n, nb)[..., None]
     if offsets is not None:
         q += offsets.T[..., None]
