@@ -28,8 +28,8 @@ BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for
                 codes, then (when the weights have offsets) Gemm(block sums of x,
                 offsets, C = that result) (+ bias as Add); with the offsets folded into
                 zero points and the codes (offset_digits D, fold_block_offsets) one
-                MatMulNBits over Concat(x, D copies of the block sums, Pad-ded to whole
-                blocks); the
+                MatMulNBits over Concat(x, D copies of the block sums and zeros to
+                whole blocks: a constant, or a Pad at a symbolic row count); the
                 block sums (Reshape, ReduceSum) once per input and graph; one-row instances with accuracy_level=4 (int8 activations
                 per block: 2-4x faster at one row here), 4-bit chunk instances
                 with accuracy_level=0 (float32 compute: 1.2x faster than int8 at
@@ -253,11 +253,14 @@ class _Builder:
             nb = self.values[x].shape[-1] // block
             sums = self.block_sums(x, nb, block)
             pad = -nb % block
-            if pad:
+            parts = [sums]
+            if pad and not self.dynamic:  # a fixed row count: the zeros are a constant of the Concat, no Pad kernel
+                parts.append(self.const(f"{out}.zeros", np.zeros((self.rows, pad), np.float32)))
+            elif pad:
                 pads = self.const(f"{out}.pads", np.array([0, 0, 0, pad], np.int64))
                 self.add("Pad", [sums, pads], [f"{out}.sums"], f"{out}.sums")
-                sums = f"{out}.sums"
-            self.add("Concat", [x] + [sums] * digits, [out], out, axis=1)
+                parts = [f"{out}.sums"]
+            self.add("Concat", [x] + parts * digits, [out], out, axis=1)
         return out
 
     def drops(self, v: Value) -> bool:

@@ -43,8 +43,8 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   adds ``sync_s`` (the ``place`` and ``schedule`` passes charge it).
 * A graph on the CPU also pays ``cpu.node_s`` (default 0) per kernel it runs:
   QLinear 2 (quantize, integer matmul), BlockQLinear 3 (MatMulNBits, the
-  offsets' Gemm or the widened input's Concat, the block sums; 4 with a Pad
-  of the sums), ShadowOutliers lowered into a graph 8
+  offsets' Gemm or the widened input's Concat, the block sums; 4 at chunk rows
+  with a Pad of the sums), ShadowOutliers lowered into a graph 8
   plus one per output and a split, everything else 1. At one row these fixed
   costs are a large part of a decode step.
 * Decode follows the program the runtime runs: when every decode graph is placed
@@ -207,7 +207,7 @@ class CostModel:
             nodes = self.subgraph(step.name).nodes
             t = self.profile[f"{proc}.launch_s"]
             if proc == "cpu":
-                t += self.profile.get("cpu.node_s", 0.0) * sum(_kernels(self._nodes[n]) for n in nodes)
+                t += self.profile.get("cpu.node_s", 0.0) * sum(_kernels(self._nodes[n], rows) for n in nodes)
                 one_thread = rows == 1 and self.read_bytes(step) < ONE_THREAD_BYTES  # as the runtime runs it
         else:
             nodes = (step.name,)
@@ -291,16 +291,17 @@ def gemv_table_seconds(rows: list[list[float]], k: int, n: int) -> float:
     return math.exp(lg) * max(k / ks[-1], 1.0) * max(n / ns[-1], 1.0)
 
 
-def _kernels(node: Node) -> int:
-    """ONNX Runtime kernels the ONNX backend's lowering of ``node`` runs (after ORT's fusions)."""
+def _kernels(node: Node, rows: int) -> int:
+    """ONNX Runtime kernels the ONNX backend's lowering of ``node`` at ``rows`` rows runs (after ORT's fusions)."""
     if node.op == "QLinear":
         return 2
     if node.op == "BlockQLinear":
         # MatMulNBits, the offsets' Gemm, and (about once per Linear) the block sums' Reshape + ReduceSum;
-        # folded offsets: the widened input's Concat instead of the Gemm, and its Pad unless the block sums fill whole blocks
+        # folded offsets: the widened input's Concat instead of the Gemm, and in a chunk-row graph (a symbolic row
+        # count) a Pad of the block sums unless they fill whole blocks (one-row graphs concatenate constant zeros)
         if node.attrs.get("offset_digits"):
             block = node.attrs["block_size"]
-            return 3 + bool(node.inputs[0].shape[-1] // block % block)
+            return 3 + (rows > 1 and bool(node.inputs[0].shape[-1] // block % block))
         return 3 if "offsets" in node.weights else 1
     if node.op == "ShadowOutliers":
         splits = len(node.attrs["splits"])
