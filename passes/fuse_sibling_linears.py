@@ -13,7 +13,7 @@ Merged: ``Linear`` nodes (float32 weights), ``BlockQLinear`` nodes with the
 same bits and block size, and W8A8 ``QLinear`` nodes with the same activation
 grid and per-channel weight scales, all with or all without a bias, reading the
 same value as their input. Their weights are concatenated along the output
-features (for ``BlockQLinear``: codes and scales by rows, offsets by columns; for
+features (for ``BlockQLinear``: codes, scales and zero points by rows, offsets by columns; for
 ``QLinear``: int8 codes by columns, scales by rows), so the results are the same
 numbers. A ``QLinear`` with one per-tensor weight scale (``--weight-granularity
 tensor``) is left alone: one scale for the concatenation would cost precision.

@@ -70,15 +70,17 @@ def test_zero_points_take_the_whole_steps_and_constant_blocks_are_exact():
     w[1, :BLOCK] = 0.25  # constant
     w[2, BLOCK : 2 * BLOCK] = 0.0  # all zero
     w[3, 2 * BLOCK : 3 * BLOCK] = np.abs(w[3, 2 * BLOCK : 3 * BLOCK]) + 5.0  # far from zero: the zero point clips
+    w[4, 3 * BLOCK :] = -0.5  # constant and negative: a negative scale
     codes, scales, offsets = quantize_blocks(w, 4)
     c, s, z, rest = split_offsets(codes, scales, offsets)
     q = dequantize_blocks(c, s.reshape(-1), None, 4, (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8))
     assert np.allclose(q + np.repeat(rest.T, BLOCK, axis=1), dequantize_blocks(codes, scales, offsets, 4), atol=1e-5)
-    free = (z > 0) & (z < 15)
+    free = (z > 0) & (z < 15) & (scales.reshape(6, 4) != 0)  # a zero point that did not clip, not a constant block
     assert (np.abs(rest.T)[free] <= s[free] / 2 * (1 + 1e-6)).all()
     assert not free[3, 2] and abs(rest[2, 3]) > s[3, 2]  # clipped: the digits carry the rest
     assert s[1, 0] == np.float32(np.float32(0.25) / 7) and rest[0, 1] == 0.0 and np.allclose(q[1, :BLOCK], 0.25, rtol=1e-6)
     assert s[2, 1] == 0.0 and rest[1, 2] == 0.0 and np.all(q[2, BLOCK : 2 * BLOCK] == 0.0)
+    assert s[4, 3] < 0 and rest[3, 4] == 0.0 and np.allclose(q[4, 3 * BLOCK :], -0.5, rtol=1e-6)
 
 
 def test_pass_folds_the_4_bit_offsets_and_keeps_the_numbers(model_dirs):
@@ -104,6 +106,36 @@ def test_pass_folds_the_4_bit_offsets_and_keeps_the_numbers(model_dirs):
     after = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
     span = float(before.max() - before.min())
     assert np.abs(after - before).max() < 1e-3 * span
+
+
+def test_fold_before_or_after_the_merge_gives_the_same_numbers(model_dirs):
+    """Folded q/k/v and gate/up merge like unfolded ones (codes, scales and zero points by output rows): the
+    interpreter's logits are the same numbers whichever pass runs first."""
+    from test_quantize_int4 import _lift, _quantized
+
+    from llmc.interpreter import Interpreter
+
+    ids = [int(t) for t in np.random.default_rng(5).integers(4, 120, size=CHUNK)]
+    out = {}
+    for order in ("fuse_sibling_linears,fold_block_offsets", "fold_block_offsets,fuse_sibling_linears"):
+        g = _quantized(_lift(model_dirs("llama")), f"dce,select_logit_rows,quantize_int4,{order}")
+        g.verify()
+        assert [n for n in g.find("BlockQLinear") if "+" in n.name and "zero_points" in n.weights]
+        out[order] = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
+    a, b = out.values()
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(a).max())
+
+
+def test_cost_model_counts_the_pad_only_at_chunk_rows(model_dirs):
+    """A folded BlockQLinear whose block sums need padding (64 and 96 inputs) runs a Pad at chunk rows only:
+    one-row graphs concatenate constant zeros."""
+    from test_quantize_int4 import _lift, _quantized
+
+    from llmc.cost_model import _kernels
+
+    g = _quantized(_lift(model_dirs("llama")), "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,fold_block_offsets")
+    folded = [n for n in g.find("BlockQLinear") if n.attrs.get("offset_digits")]
+    assert folded and {(_kernels(n, 1), _kernels(n, CHUNK)) for n in folded} == {(3, 4)}
 
 
 def test_pass_before_quantize_int4_says_it_has_nothing_to_fold(model_dirs, caplog):
@@ -180,7 +212,7 @@ def test_bundle_runs_one_matmulnbits_per_linear(model_dirs, tmp_path, hidden, ml
     assert np.abs(steps - ref[5:]).max() < 3e-2 * span
 
 
-@pytest.mark.parametrize("constant", [False, True])
+@pytest.mark.parametrize("constant", [None, 0.05, -0.05])
 def test_one_row_matmulnbits_keeps_the_offsets_close(constant):
     """ONNX Runtime's MatMulNBits at one row (int8 activations per block, accuracy_level 4) over the folded
     weights and the widened input, against x @ W^T in float64, with one input block 30x the others (errors
@@ -188,17 +220,17 @@ def test_one_row_matmulnbits_keeps_the_offsets_close(constant):
     - ordinary blocks: 3.1e-3 (the lowering with the offsets' float Gemm: 1.5e-3). The zero points' part
       uses each block's own quantized sum, as llama.cpp's Q4_1 x Q8_1 does; the remainders ride on the 18
       block sums' one shared int8 scale, which the large block sets;
-    - constant blocks (scale 0): codes 15 at the scale o / 7, exact weights, no digits: 4e-4. As digits
-      over the float block sums they were off by 1.5e-2."""
+    - constant blocks (scale 0), positive or negative: codes 15 at the scale o / 7 (negative for a negative
+      o), exact weights, no digits: 4e-4. As digits over the float block sums they were off by 1.5e-2."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(4)
     k, n = 576, 256
-    w = (np.full((n, k), 0.05, np.float32) + rng.standard_normal((n, 1)).astype(np.float32) * 0.01 if constant
+    w = (np.full((n, k), constant, np.float32) + rng.standard_normal((n, 1)).astype(np.float32) * 0.01 if constant
          else rng.standard_normal((n, k)).astype(np.float32) * 0.05 + 0.02)
     codes, scales, offsets = quantize_blocks(w, 4)
-    assert (scales == 0).all() == constant
+    assert (scales == 0).all() == bool(constant)
     fc, fs, fz = fold_offsets(codes, scales, offsets, BLOCK)
     kf = fc.shape[1] * BLOCK
     node = helper.make_node("MatMulNBits", ["x", "b", "s", "z"], ["y"], domain="com.microsoft", K=kf, N=n, bits=4, block_size=BLOCK, accuracy_level=4)
@@ -213,3 +245,5 @@ def test_one_row_matmulnbits_keeps_the_offsets_close(constant):
     ref = x.astype(np.float64) @ dequantize_blocks(codes, scales, offsets, 4).T.astype(np.float64)
     got = sess.run(None, {"x": widen_with_block_sums(x, BLOCK, DIGITS)})[0]
     assert np.abs(got - ref).max() < (2e-3 if constant else 6e-3) * np.abs(ref).max(), np.abs(got - ref).max() / np.abs(ref).max()
+    if constant:  # the constant blocks' scales carry the offsets' sign
+        assert (fs.reshape(n, -1)[:, : k // BLOCK] < 0).all() == (constant < 0)
