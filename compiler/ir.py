@@ -17,7 +17,7 @@ right; node inputs are an immutable tuple.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from llmc import ops as _ops
 from llmc.errors import IRVerificationError
@@ -66,6 +66,21 @@ class WeightStore:
         """The weight ``name``, added with ``loader`` unless a pass already derived it (weights
         shared by several nodes, such as a tied embedding's, are derived once)."""
         return self._refs[name] if name in self._refs else self.add(name, shape, dtype, loader)
+
+    def derived_together(self, specs: Iterable[tuple[str, Iterable[int], str]], loader: Callable[[], Sequence[Any]]) -> list[WeightRef]:
+        """The weights ``specs`` (name, shape, dtype) that one ``loader`` call computes together
+        (``loader()[i]`` is the i-th), each as :meth:`derived`. The call's result is kept until each
+        array has been read once, so writing them one after another computes it once; a second read
+        of an array computes it again."""
+        held: dict[int, Any] = {}
+
+        def part(i: int) -> Any:
+            if i not in held:
+                held.clear()
+                held.update(enumerate(loader()))
+            return held.pop(i)
+
+        return [self.derived(name, shape, dtype, lambda i=i: part(i)) for i, (name, shape, dtype) in enumerate(specs)]
 
     def __contains__(self, name: str) -> bool:
         return name in self._refs

@@ -66,6 +66,7 @@ from llmc.errors import CompileError
 from llmc.ir import Graph, Node
 from llmc.ops import folded_blocks
 from llmc.pass_manager import Pass, PassContext, PassResult
+from llmc.runtime.kernels import pack_nibbles
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +127,10 @@ def fold_offsets(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, blo
     dcodes, dscales = offset_digits(rest, digits)
     padded = np.full((digits, n, per_digit * block), MID, np.uint8)
     padded[..., :nb] = dcodes
-    packed = padded[..., 0::2] | (padded[..., 1::2] << 4)  # two codes a byte, the lower input in the low nibble
-    out_codes = np.concatenate([codes] + [p.reshape(n, per_digit, block // 2) for p in packed], axis=1)
+    out_codes = np.concatenate([codes] + [pack_nibbles(p).reshape(n, per_digit, block // 2) for p in padded], axis=1)
     out_scales = np.concatenate([s] + [np.repeat(t[:, None], per_digit, axis=1) for t in dscales], axis=1)
     zp = np.concatenate([z, np.full((n, digits * per_digit), MID, np.uint8)], axis=1)
-    if zp.shape[1] % 2:
-        zp = np.concatenate([zp, np.zeros((n, 1), np.uint8)], axis=1)
-    return out_codes, out_scales.reshape(-1), zp[:, 0::2] | (zp[:, 1::2] << 4)  # the lower block in the low nibble
+    return out_codes, out_scales.reshape(-1), pack_nibbles(zp)
 
 
 def _foldable(node: Node) -> bool:
@@ -160,17 +158,12 @@ class FoldBlockOffsets(Pass):
             block = node.attrs["block_size"]
             n = qw.shape[0]
             f = folded_blocks(node.inputs[0].shape[-1], block, DIGITS)
-            cache: dict[int, np.ndarray] = {}
-
-            def part(i, qw=qw, sc=sc, off=off, block=block, cache=cache):
-                # one fold serves the codes, the scales and the zero points; each array is dropped once read
-                if not cache:
-                    cache.update(enumerate(fold_offsets(store.load(qw.name), store.load(sc.name), store.load(off.name), block)))
-                return cache.pop(i) if i in cache else fold_offsets(store.load(qw.name), store.load(sc.name), store.load(off.name), block)[i]
-
-            node.weights["qweight"] = store.derived(f"{qw.name}.fold{DIGITS}", (n, f, qw.shape[2]), "uint8", lambda part=part: part(0))
-            node.weights["scales"] = store.derived(f"{sc.name}.fold{DIGITS}", (n * f,), "float32", lambda part=part: part(1))
-            node.weights["zero_points"] = store.derived(f"{qw.name}.fold{DIGITS}.zp", (n, -(-f // 2)), "uint8", lambda part=part: part(2))
+            specs = [(f"{qw.name}.fold{DIGITS}", (n, f, qw.shape[2]), "uint8"), (f"{sc.name}.fold{DIGITS}", (n * f,), "float32"),
+                     (f"{qw.name}.fold{DIGITS}.zp", (n, -(-f // 2)), "uint8")]
+            # one fold serves the codes, the scales and the zero points
+            refs = store.derived_together(specs, lambda qw=qw, sc=sc, off=off, block=block:
+                                          fold_offsets(store.load(qw.name), store.load(sc.name), store.load(off.name), block))
+            node.weights.update(zip(("qweight", "scales", "zero_points"), refs))
             del node.weights["offsets"]
             node.attrs["offset_digits"] = DIGITS
             folded += 1

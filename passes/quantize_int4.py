@@ -50,6 +50,7 @@ import numpy as np
 from llmc.errors import CompileError
 from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
+from llmc.runtime.kernels import pack_nibbles
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def quantize_blocks(w: np.ndarray, bits: int = 4, block: int = BLOCK, symmetric:
             np.rint(q, out=q)
             np.clip(q, 1 - mid, mid - 1, out=q)
             q8 = (q + mid).astype(np.uint8)
-            codes[i : i + len(q8)] = q8[..., 0::2] | (q8[..., 1::2] << 4) if bits == 4 else q8
+            codes[i : i + len(q8)] = pack_nibbles(q8) if bits == 4 else q8
             scales[i : i + len(q8)] = s
             continue
         lo = b.min(axis=2)
@@ -101,7 +102,7 @@ def quantize_blocks(w: np.ndarray, bits: int = 4, block: int = BLOCK, symmetric:
         np.rint(q, out=q)
         np.clip(q, 0, top, out=q)
         q8 = q.astype(np.uint8)
-        codes[i : i + len(q8)] = q8[..., 0::2] | (q8[..., 1::2] << 4) if bits == 4 else q8
+        codes[i : i + len(q8)] = pack_nibbles(q8) if bits == 4 else q8
         scales[i : i + len(q8)] = s
         offsets[:, i : i + len(q8)] = (lo + mid * s).T
     return codes, scales.reshape(-1), offsets
@@ -161,7 +162,6 @@ class QuantizeInt4(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         check_options(ctx.options)
         store = graph.weights
-        cache: dict[tuple[str, int], tuple[tuple[np.ndarray, np.ndarray, np.ndarray | None], set[int]]] = {}
         changed = False
         kept = []
         head = logits_linear(graph)
@@ -176,25 +176,13 @@ class QuantizeInt4(Pass):
                 continue
             nb = in_f // BLOCK
             bits, symmetric = (HEAD_BITS, HEAD_SYMMETRIC) if node is head else (BITS, False)
-            parts = 2 if symmetric else 3
-
-            def part(i, name=wref.name, bits=bits, symmetric=symmetric, parts=parts):
-                # one quantization serves the codes, the scales and the offsets; dropped once all are read
-                key = (name, bits)
-                if key not in cache:
-                    cache[key] = (quantize_blocks(store.load(name), bits, symmetric=symmetric), set())
-                arrays, served = cache[key]
-                served.add(i)
-                if len(served) == parts:
-                    del cache[key]
-                return arrays[i]
-
-            weights = {
-                "qweight": store.derived(f"{wref.name}.q{bits}b", (out_f, nb, BLOCK * bits // 8), "uint8", lambda part=part: part(0)),
-                "scales": store.derived(f"{wref.name}.q{bits}b.scale", (out_f * nb,), "float32", lambda part=part: part(1)),
-            }
+            specs = [(f"{wref.name}.q{bits}b", (out_f, nb, BLOCK * bits // 8), "uint8"), (f"{wref.name}.q{bits}b.scale", (out_f * nb,), "float32")]
             if not symmetric:
-                weights["offsets"] = store.derived(f"{wref.name}.q{bits}b.offset", (nb, out_f), "float32", lambda part=part: part(2))
+                specs.append((f"{wref.name}.q{bits}b.offset", (nb, out_f), "float32"))
+            # one quantization serves the codes, the scales and the offsets
+            refs = store.derived_together(specs, lambda name=wref.name, bits=bits, symmetric=symmetric:
+                                          quantize_blocks(store.load(name), bits, symmetric=symmetric))
+            weights = dict(zip(("qweight", "scales", "offsets"), refs))
             if "bias" in node.weights:
                 weights["bias"] = node.weights["bias"]
             if node is head:

@@ -7,6 +7,8 @@ vectorised over heads and rows: no Python loop per token or per head.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
@@ -74,6 +76,23 @@ def embedding(ids: np.ndarray, table: np.ndarray, scale: float) -> np.ndarray:
     return out
 
 
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """4-bit ``values`` (0..15) two a byte along the last axis, the lower index in the low nibble (the
+    layout of ``MatMulNBits``' codes and zero points); an odd count is padded with 0."""
+    v = np.asarray(values, np.uint8)
+    if v.shape[-1] % 2:
+        v = np.concatenate([v, np.zeros((*v.shape[:-1], 1), np.uint8)], axis=-1)
+    return v[..., 0::2] | (v[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: np.ndarray, dtype: Any = np.uint8) -> np.ndarray:
+    """The inverse of :func:`pack_nibbles` (with its padding), as ``dtype``."""
+    out = np.empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype)
+    out[..., 0::2] = packed & 15
+    out[..., 1::2] = packed >> 4
+    return out
+
+
 def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None, bits: int,
                       zero_points: np.ndarray | None = None) -> np.ndarray:
     """Float32 ``[N, K]`` rows of block-quantized weights (``llmc.passes.quantize_int4``'s format: codes
@@ -81,19 +100,11 @@ def dequantize_blocks(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray
     symmetric codes; ``fold_block_offsets`` adds 4-bit zero points ``[N, ceil(blocks / 2)]``, two blocks
     a byte): ``s * (q - z) + o``, z = 2^(bits-1) without zero points."""
     n, nb, width = codes.shape
-    if bits == 4:
-        q = np.empty((n, nb, 2 * width), np.float32)
-        q[..., 0::2] = codes & 15
-        q[..., 1::2] = codes >> 4
-    else:
-        q = codes.astype(np.float32)
+    q = unpack_nibbles(codes, np.float32) if bits == 4 else codes.astype(np.float32)
     if zero_points is None:
         q -= 1 << (bits - 1)
     else:
-        z = np.empty((n, 2 * zero_points.shape[1]), np.float32)
-        z[:, 0::2] = zero_points & 15
-        z[:, 1::2] = zero_points >> 4
-        q -= z[:, :nb, None]
+        q -= unpack_nibbles(zero_points, np.float32)[:, :nb, None]
     q *= scales.reshape(n, nb)[..., None]
     if offsets is not None:
         q += offsets.T[..., None]
