@@ -22,8 +22,9 @@ RMSNorm         RMSNormalization(x, offset + w, axis=-1)
 LayerNorm       LayerNormalization(x, w, b, axis=-1)
 Act             Sigmoid·x (silu), Gelu(approximate=none|tanh)
 QLinear         QuantizeLinear, DequantizeLinear (x: uint8; W: int8, zero point 0),
-                MatMul, + bias as Sum (ONNX Runtime fuses the pattern into
-                MatMulIntegerToFloat; see llmc.runtime.cpu for the int8 weights)
+                MatMul, + bias as Add (ONNX Runtime fuses the pattern into
+                MatMulIntegerToFloat; see llmc.runtime.cpu for the int8 weights
+                and for the MatMulAddFusion its sessions turn off)
 BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for the
                 codes, then (when the weights have offsets) Gemm(block sums of x,
                 offsets, C = that result) (+ bias as Add); with the offsets folded into
@@ -36,9 +37,9 @@ BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for
                 256 rows here); 8-bit always 4 (ONNX Runtime 1.32 has no packed
                 float32 kernel for 8 bits: it would dequantize the whole matrix
                 per call)
-ShadowOutliers  Clip, Sub, NonZero, Gather, MatMul, Split, Sum (decode graphs)
-Add / Mul       Add / Mul; an Add of a QLinear's result is a Sum (ONNX Runtime
-                would fuse MatMul + Add into a float Gemm that dequantizes W per call)
+ShadowOutliers  Clip, Sub; a chunk: Abs, ReduceSum over the rows, NonZero, Gather;
+                one row: Compress; then MatMul, Split, Add
+Add / Mul       Add / Mul
 Scale           Mul by a scalar constant
 Slice           Slice on axis 1
 ==============  ==========================================================
@@ -175,8 +176,8 @@ class _Builder:
             self.add("DequantizeLinear", [wq, ws, wzp], [f"{n.name}.w"], f"{n.name}.wdequant", **attrs)
             out = y if "bias" not in n.weights else [f"{n.name}.mm"]
             self.add("MatMul", [f"{n.name}.xdq", f"{n.name}.w"], out, n.name)
-            if "bias" in n.weights:  # Sum: see the residual Add below
-                self.add("Sum", [out[0], self.weight(n.weights["bias"])], y, f"{n.name}.bias")
+            if "bias" in n.weights:
+                self.add("Add", [out[0], self.weight(n.weights["bias"])], y, f"{n.name}.bias")
         elif n.op == "BlockQLinear":
             # y = MatMulNBits(x; codes, scales; zero point 2^(bits-1)) + blocksum(x) @ offsets, or with the
             # offsets folded into the codes (fold_block_offsets) MatMulNBits([x, block sums, ...]; codes, scales)
@@ -213,11 +214,6 @@ class _Builder:
                 self.add("Mul", [x[0], f"{n.name}.sigmoid"], y, n.name)
             else:
                 self.add("Gelu", x, y, n.name, approximate="tanh" if a["kind"] == "gelu_tanh" else "none")
-        elif n.op == "Add" and any(v.producer is not None and v.producer.op == "QLinear" for v in n.inputs):
-            # A QLinear's result plus the residual stream as Sum, not Add: ONNX Runtime fuses
-            # MatMul + Add into a float Gemm before its QDQ fusion runs, and would dequantize
-            # the int8 weights on every call (measured: SmolLM2 --no-shadow one-row graphs 7x slower).
-            self.add("Sum", x, y, n.name)
         elif n.op in ("Add", "Mul"):
             self.add(n.op, x, y, n.name)
         elif n.op == "Scale":
@@ -296,11 +292,9 @@ class _Builder:
         a, p = n.attrs, n.name
         src = self.whole_source(n)
         self.shadow_correction(n, x[0])
-        # Sum, not Add: ONNX Runtime would fuse MatMul + Add into a float Gemm before its
-        # QDQ fusion runs, and dequantize the NPU matmul's weights on every call.
         if src is not None:
             whole = whole_name(n)
-            self.add("Sum", [src.name, f"{p}.corr"], [whole], f"{p}.add")
+            self.add("Add", [src.name, f"{p}.corr"], [whole], f"{p}.add")
             start = 0
             for v, width in zip(n.outputs, a["splits"]):
                 if not self.drops(v):
@@ -313,7 +307,7 @@ class _Builder:
             sizes = self.const(f"{p}.splits", np.array(a["splits"], np.int64))
             self.add("Split", [f"{p}.corr", sizes], parts, f"{p}.split", axis=-1)
         for i, (ys, out) in enumerate(zip(x[1:], y)):
-            self.add("Sum", [ys, parts[i]], [out], f"{p}.add{i}")
+            self.add("Add", [ys, parts[i]], [out], f"{p}.add{i}")
 
     def shadow_correction(self, n: Node, x: str) -> None:
         """``{name}.corr = (x - clip(x)) @ W^T`` over the outlier channels, all of the correction's columns."""
@@ -332,10 +326,12 @@ class _Builder:
             self.add("Compress", [self.weight(n.weights["weight_t"]), f"{p}.mask"], [f"{p}.w"], f"{p}.select_w", axis=0)
         else:
             # the channels where some row has an outlier, [rows, m] x [m, N]; Gather, since ONNX Runtime's
-            # Compress along the columns of a chunk was slower (SmolLM2 prefill 0.93x, same-process A/B)
+            # Compress along the columns of a chunk was slower (SmolLM2 prefill 0.93x, same-process A/B).
+            # A column sum of |delta| is non-zero exactly where its maximum is, and ONNX Runtime's
+            # ReduceSum over the rows is vectorised where its ReduceMax is not (34 vs 189 us at 256 x 1536).
             self.add("Abs", [f"{p}.delta"], [f"{p}.abs"], f"{p}.abs")
             axes = self.const(f"{p}.axes", np.array([0], np.int64))
-            self.add("ReduceMax", [f"{p}.abs", axes], [f"{p}.any"], f"{p}.any", keepdims=0)
+            self.add("ReduceSum", [f"{p}.abs", axes], [f"{p}.any"], f"{p}.any", keepdims=0)
             self.add("NonZero", [f"{p}.any"], [f"{p}.nz"], f"{p}.nonzero")
             self.add("Reshape", [f"{p}.nz", flat], [f"{p}.chans"], f"{p}.chans")
             self.add("Gather", [f"{p}.delta", f"{p}.chans"], [f"{p}.d"], f"{p}.gather_x", axis=1)

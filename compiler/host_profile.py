@@ -59,7 +59,7 @@ from typing import Callable
 import numpy as np
 
 from llmc.device_profile import SCHEMA, DeviceProfile, parse
-from llmc.runtime.cpu import int8_session_options
+from llmc.runtime.cpu import int8_session_options, session_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _session(model, threads: int):
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     int8_session_options(so)  # as the runtime: int8 weights on this CPU's exact kernels
     so.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"], **session_kwargs())
 
 
 def _model(nodes, inputs, outputs, inits):

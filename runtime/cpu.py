@@ -66,6 +66,19 @@ def vnni_kernels(flags: frozenset[str]) -> bool:
     return "avx_vnni" in flags
 
 
+# ONNX Runtime's MatMulAddFusion turns MatMul + Add into a float Gemm before its QDQ fusion runs, so an
+# Add after a W8A8 matmul (a bias, the residual stream, a shadow correction) would dequantize the int8
+# weights on every call. The graphs use Add (Sum, which the fusion skips, is about 2x slower than Add in
+# ONNX Runtime's CPU kernels) and every session of a bundle turns the fusion off: the Linears of float
+# graphs are Gemm already, and MatMulNBits is not a MatMul.
+DISABLED_OPTIMIZERS = ("MatMulAddFusion",)
+
+
+def session_kwargs() -> dict:
+    """Keyword arguments of every ``InferenceSession`` of a bundle's graphs (``DISABLED_OPTIMIZERS``)."""
+    return {"disabled_optimizers": list(DISABLED_OPTIMIZERS)}
+
+
 def int8_session_options(so) -> None:
     """Keep a session's int8 weights on this CPU's exact kernels (see the module docstring)."""
     so.add_session_config_entry("session.x64quantprecision", "0" if u8s8_is_exact() else "1")

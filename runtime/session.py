@@ -26,7 +26,7 @@ import numpy as np
 
 from llmc.runtime import kernels
 from llmc.runtime.binding import BoundGraph
-from llmc.runtime.cpu import int8_session_options, u8s8_is_exact
+from llmc.runtime.cpu import int8_session_options, session_kwargs, u8s8_is_exact
 from llmc.runtime.decode_graph import DecodeGraphRunner
 from llmc.runtime.errors import BundleError, PromptError, PromptTooLongError, ProviderError, TokenIdError
 from llmc.runtime.manifest import SHAPE_ERRORS, load_manifest, map_weights, resolve_inside, shape_error
@@ -455,7 +455,9 @@ class Session:
             so.add_external_initializers(names, [self._ortvalues[n] for n in names])
         model_bytes = resolve_inside(self.bundle, inst["file"]).read_bytes()
         try:
-            sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"], **budgeted)
+            kwargs = session_kwargs()
+            kwargs["disabled_optimizers"] += budgeted.pop("disabled_optimizers", [])
+            sess = ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"], **kwargs, **budgeted)
         except Exception as e:  # onnxruntime's own exception types (InvalidProtobuf, InvalidGraph, Fail, ...)
             if type(e).__module__.split(".")[0] != "onnxruntime":
                 raise

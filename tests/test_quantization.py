@@ -339,7 +339,7 @@ def test_onnx_runtime_keeps_every_qlinear_integer(model_dirs, calib_file, family
                 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
                 so.optimized_model_filepath = str(tmp_path / f"{name}.{rows}.onnx")
                 cpu.int8_session_options(so)
-                ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+                ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"], **cpu.session_kwargs())
                 opt = onnx.load(so.optimized_model_filepath, load_external_data=False).graph
                 ops = [n.op_type for n in opt.node]
                 assert "Gemm" not in ops and "DequantizeLinear" not in ops, (name, rows, sorted(set(ops)))
