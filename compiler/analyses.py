@@ -175,6 +175,25 @@ class CalibrationStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class SmoothedInput:
+    """One Linear input divided per channel by ``2^exponents[c]`` (its readers' weight rows multiplied)."""
+
+    value: str
+    site: str  # where the division is folded: "norm", "attention" (the value projection) or "up"
+    exponents: tuple[int, ...]
+    spread_before: float  # largest channel maximum over the median one, before
+    spread_after: float  # ... and after
+
+
+@dataclasses.dataclass(frozen=True)
+class SmoothingPlan:
+    """What ``smooth_activations`` did, by Linear input value name."""
+
+    alpha: float
+    inputs: dict[str, SmoothedInput]
+
+
+@dataclasses.dataclass(frozen=True)
 class InputQuant:
     """Per-tensor activation quantization of one Linear input value (shared by its Linears)."""
 

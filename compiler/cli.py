@@ -85,11 +85,14 @@ def cli(verbose: int) -> None:
 @click.option("--time-passes", is_flag=True, help="Print how long each pass took.")
 @click.option("--calib", "calib_file", type=click.Path(dir_okay=False), default=None, help="[npu, --kv-cache int8] Calibration text file (default: Python's bundled reference docs).")
 @click.option("--calib-tokens", type=click.IntRange(16), default=2048, show_default=True, help="[npu, --kv-cache int8] Calibration tokens to run.")
-@click.option("--no-shadow", is_flag=True, help="[npu] Plain per-tensor W8A8: no shadow outlier paths, ranges at the calibration max.")
+@click.option("--no-shadow", is_flag=True, help="[npu] Plain per-tensor W8A8: no shadow outlier paths, ranges at the calibration max (smoothed: see --smooth-alpha).")
 @click.option("--clip-percentile", type=click.FloatRange(50, 100, max_open=True), default=99.0, show_default=True, help="[npu] Activation clip (percentile of |x|) for shadow-enabled Linears.")
 @click.option("--shadow-keep", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="[npu] Fraction of Linear inputs (most important first) that keep a shadow path.")
 @click.option("--pruned-percentile", type=click.FloatRange(50, 100), default=99.999, show_default=True, help="[npu] Clip of inputs whose shadow is pruned (100 = calibration max).")
 @click.option("--hot-budget", type=click.FloatRange(0, 1), default=0.01, show_default=True, help="[npu] Resident float shadow rows, as a fraction of the int8 weight bytes.")
+@click.option("--smooth-alpha", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="[npu] Smooth activation outliers into the weights (SmoothQuant, power-of-two factors; adds "
+                   "smooth_activations and a second calibrate) with this strength. Default: 0.8 with --no-shadow, else off.")
 @click.option("--weight-granularity", type=click.Choice(["channel", "tensor"]), default="channel", show_default=True, help="[npu] int8 weight scales per output channel or per tensor.")
 @click.option("--profile", "profile", default=None,
               help="Device profile the cost model plans for (see `llmc profiles`; a name or a .json path). Default: the --soc, "
@@ -106,7 +109,7 @@ def cli(verbose: int) -> None:
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @_guard
 def compile(model, out, target, weights, kv_cache, soc, qnn_shard_mb, qnn_shard_graphs, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
-            shadow_keep, pruned_percentile, hot_budget, weight_granularity, profile, placement, prompt_len, memory_budget, prefetch_depth, cache_dir, no_cache, quiet):
+            shadow_keep, pruned_percentile, hot_budget, smooth_alpha, weight_granularity, profile, placement, prompt_len, memory_budget, prefetch_depth, cache_dir, no_cache, quiet):
     """Compile MODEL into a bundle.
 
     MODEL is the bundled name `smollm2-135m`, a HuggingFace model directory, a .gguf
@@ -145,7 +148,7 @@ def compile(model, out, target, weights, kv_cache, soc, qnn_shard_mb, qnn_shard_
         qnn_shard_graphs=qnn_shard_graphs, weight_format=weights, kv_cache=kv_cache,
         calib_file=calib_file, calib_tokens=calib_tokens, cache_dir=cache_dir, shadow=not no_shadow, clip_percentile=clip_percentile,
         shadow_keep=shadow_keep, pruned_percentile=None if pruned_percentile >= 100 else pruned_percentile, hot_budget=hot_budget,
-        weight_granularity=weight_granularity, profile=profile, placement=placement, prompt_len=prompt_len, memory_budget=memory_budget, prefetch_depth=prefetch_depth,
+        smooth_alpha=smooth_alpha, weight_granularity=weight_granularity, profile=profile, placement=placement, prompt_len=prompt_len, memory_budget=memory_budget, prefetch_depth=prefetch_depth,
         explicit=explicit,
     )
     if time_passes:

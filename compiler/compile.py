@@ -46,6 +46,7 @@ _READ_BY = {
     "shadow_keep": ("--shadow-keep", ("extract_shadow_outliers",), _NPU),
     "pruned_percentile": ("--pruned-percentile", ("extract_shadow_outliers",), _NPU),
     "hot_budget": ("--hot-budget", ("extract_shadow_outliers",), _NPU),
+    "smooth_alpha": ("--smooth-alpha", ("smooth_activations",), _NPU),
     "weight_granularity": ("--weight-granularity", ("quantize",), _NPU),
     "calib_file": ("--calib", _CALIBRATION, _NPU + " and --kv-cache int8"),
     "calib_tokens": ("--calib-tokens", _CALIBRATION, _NPU + " and --kv-cache int8"),
@@ -104,14 +105,24 @@ def check_kv_cache_format(fmt: str) -> None:
         raise CompileError(f"unknown KV cache format {fmt!r}", hint="choose one of: " + ", ".join(KV_CACHE_FORMATS))
 
 
+def with_smoothing(names: list[str]) -> list[str]:
+    """The pass names of ``names`` with ``smooth_activations`` and a second ``calibrate`` (the
+    smoothed model's statistics) right after the first ``calibrate``; unchanged when there is no
+    ``calibrate`` or the pipeline smooths already."""
+    if "smooth_activations" in names or "calibrate" not in names:
+        return list(names)
+    i = names.index("calibrate") + 1
+    return names[:i] + ["smooth_activations", "calibrate"] + names[i:]
+
+
 def with_kv_cache(names: list[str], assume: bool = False) -> list[str]:
-    """The pass names of ``names`` with ``quantize_kv_cache`` right after ``calibrate``; without
+    """The pass names of ``names`` with ``quantize_kv_cache`` right after the last ``calibrate``; without
     ``calibrate``, both go before the first pass that rewrites the model's Linears. With ``assume``
     (``llmc plan``, no weights), ``assume_kv_cache`` goes there instead."""
     if "quantize_kv_cache" in names or "assume_kv_cache" in names:
         return list(names)
     if "calibrate" in names and not assume:
-        i, added = names.index("calibrate") + 1, ["quantize_kv_cache"]
+        i, added = len(names) - names[::-1].index("calibrate"), ["quantize_kv_cache"]
     else:
         i = next((j for j, n in enumerate(names) if n not in _BEFORE_CALIBRATION), len(names))
         added = ["assume_kv_cache"] if assume else ["calibrate", "quantize_kv_cache"]
@@ -203,6 +214,13 @@ def compile_model(
     if pipeline is not None and not pipeline.strip():
         raise CompileError("--pipeline is empty", hint="name the passes (see `llmc passes`), or leave --pipeline out for the target's default")
     passes = parse_pipeline(pipeline or default_pipeline(default), REGISTRY)  # fail fast on a bad --pipeline
+    if target == "npu" and pipeline is None:
+        from llmc.passes.smooth_activations import NO_SHADOW_ALPHA
+
+        if quant_options.get("smooth_alpha") is None and quant_options.get("shadow") is False:
+            quant_options["smooth_alpha"] = NO_SHADOW_ALPHA  # plain W8A8 needs it most (docs/quantization.md)
+        if quant_options.get("smooth_alpha") is not None:
+            passes = parse_pipeline(",".join(with_smoothing([p.name for p in passes])), REGISTRY)
     if kv_cache == "int8":
         passes = parse_pipeline(",".join(with_kv_cache([p.name for p in passes])), REGISTRY)
     names = [p.name for p in passes]
@@ -348,7 +366,7 @@ def compile_model(
 
 def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """The quantization report: per Linear its range, shadow decision, hot channels and bytes."""
-    from llmc.analyses import CalibrationStats, ShadowPlan
+    from llmc.analyses import CalibrationStats, ShadowPlan, SmoothingPlan
 
     if not ctx.has(ShadowPlan):
         return None
@@ -382,7 +400,7 @@ def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) ->
             "weight_granularity": ctx.options.weight_granularity,
         })
     kept = sum(1 for q in plan.inputs.values() if q.shadow)
-    return {
+    report = {
         "calibration": {"corpus": calib.corpus, "tokens": calib.tokens},
         "quantization": {
             "activations": "uint8 per tensor (zero point 128) at every Linear input; everything else float32 "
@@ -405,6 +423,26 @@ def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) ->
             "resident_shadow_fraction_of_int8_weights": resident / model_int8 if model_int8 else 0.0,
         },
         "linears": linears,
+    }
+    if ctx.has(SmoothingPlan):
+        report["smoothing"] = _smoothing_report(ctx.get(SmoothingPlan))
+    return report
+
+
+def _smoothing_report(sp) -> dict[str, Any]:
+    """report.json's ``smoothing``: what smooth_activations did (docs/quantization.md)."""
+    inputs = list(sp.inputs.values())
+    sites: dict[str, int] = {}
+    for i in inputs:
+        sites[i.site] = sites.get(i.site, 0) + 1
+    return {
+        "alpha": sp.alpha,
+        "inputs_smoothed": len(inputs),
+        "by_site": sites,
+        "largest_channel_spread_before": max((i.spread_before for i in inputs), default=None),
+        "largest_channel_spread_after": max((i.spread_after for i in inputs), default=None),
+        "inputs": {i.value: {"site": i.site, "exponents": [min(i.exponents), max(i.exponents)],
+                             "channel_spread": [i.spread_before, i.spread_after]} for i in inputs},
     }
 
 

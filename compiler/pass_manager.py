@@ -47,6 +47,7 @@ class CompileOptions:
     shadow_keep: float = 1.0  # fraction of Linear inputs (by importance) that keep a shadow path
     pruned_percentile: float | None = 99.999  # clip of inputs whose shadow is pruned; None = calibration max
     hot_budget: float = 0.01  # resident float shadow rows, as a fraction of the int8 weight bytes
+    smooth_alpha: float | None = None  # smooth_activations' migration strength (SmoothQuant's alpha); None = the pass's default
     weight_granularity: str = "channel"  # "channel" | "tensor"
     # cost model, placement, schedule, offload
     placement: str = "auto"  # "auto" (cost model) | "npu" (every static subgraph) | "cpu"
@@ -88,6 +89,11 @@ class PassContext:
 
     def has(self, kind: type) -> bool:
         return kind in self._analyses
+
+    def discard(self, kind: type) -> None:
+        """Forget the ``kind`` result: a pass that invalidates it calls this, so a later pass that
+        needs it fails unless the producing pass runs again."""
+        self._analyses.pop(kind, None)
 
 
 class Pass:

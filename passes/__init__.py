@@ -22,8 +22,9 @@ from llmc.passes.quantize_int4 import QuantizeInt4
 from llmc.passes.quantize_kv_cache import QuantizeKVCache
 from llmc.passes.schedule import ScheduleSteps
 from llmc.passes.select_logit_rows import SelectLogitRows
+from llmc.passes.smooth_activations import SmoothActivations
 
-ALL_PASSES = [DeadCodeElimination, Calibrate, QuantizeKVCache, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, FoldBlockOffsets, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
+ALL_PASSES = [DeadCodeElimination, Calibrate, SmoothActivations, QuantizeKVCache, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, FoldBlockOffsets, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
               AssumeShadowPlan, AssumeKVCache]
 REGISTRY = {p.name: p for p in ALL_PASSES}
 

@@ -183,6 +183,8 @@ class Calibrate(Pass):
             "tokens": ctx.options.calib_tokens,
             "seq": SEQ_LEN,
             "linears": [(n.name, n.inputs[0].name) for n in linears],
+            # weights a pass derived (smooth_activations) carry their own names
+            "weights": sorted({w.name for n in graph.nodes for w in n.weights.values()}),
             "attention": [(n.name, n.inputs[1].name, n.inputs[2].name) for n in graph.find("Attention")],
             "bins": [HIST_PER_OCTAVE, HIST_MIN_EXP, HIST_MAX_EXP, CH_PER_OCTAVE, CH_MIN_EXP, BIN_KEY_SHIFT],
         }
