@@ -37,8 +37,11 @@ BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for
                 256 rows here); 8-bit always 4 (ONNX Runtime 1.32 has no packed
                 float32 kernel for 8 bits: it would dequantize the whole matrix
                 per call)
-ShadowOutliers  Clip, Sub; a chunk: Abs, ReduceSum over the rows, NonZero, Gather;
-                one row: Compress; then MatMul, Split, Add
+ShadowOutliers  Clip, Sub; a chunk in equal blocks of about 64 rows (Reshape; the
+                block count looked up by the row count when it is symbolic):
+                Abs, ReduceSum over each block's rows, TopK of its outlier
+                channels, GatherElements, Gather of their weight rows, batched
+                MatMul; one row: Compress, MatMul; then Split, Add
 Add / Mul       Add / Mul
 Scale           Mul by a scalar constant
 Slice           Slice on axis 1
@@ -67,6 +70,19 @@ MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
 WEIGHTS_FILE = "weights/weights.bin"
 DECODE_SEQLENS, DECODE_TOTAL = "seqlens_k", "total_len"  # the decode graph's cache-length inputs
 ALIGN = 64
+# Rows per block of a chunk's shadow correction (ShadowOutliers) that shadow_blocks aims for: SmolLM2,
+# 256-row chunks, the corrections of four inputs of two layers took 8.9 ms as one block, 5.2 / 4.5 / 4.7 /
+# 5.2 ms in 2 / 4 / 8 / 16 blocks.
+SHADOW_BLOCK_ROWS = 64
+
+
+def shadow_blocks(rows: int) -> int:
+    """Into how many blocks of equal rows a chunk of ``rows`` rows splits its shadow corrections: the
+    divisor of ``rows`` whose block is nearest SHADOW_BLOCK_ROWS rows (by ratio; the larger block on a
+    tie). Equal blocks need no padding (a copy of the delta and one of the result); a prime row count
+    is one block."""
+    divisors = [b for b in range(1, rows + 1) if rows % b == 0]
+    return min(divisors, key=lambda b: (abs(np.log(rows / b / SHADOW_BLOCK_ROWS)), b))
 
 _NP_TO_ONNX = {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6, "int64": 7, "float16": 10}
 
@@ -316,27 +332,61 @@ class _Builder:
         hi = self.const(f"{p}.hi", np.array(a["hi"], np.float32))
         self.add("Clip", [x, lo, hi], [f"{p}.clip"], f"{p}.clip")
         self.add("Sub", [x, f"{p}.clip"], [f"{p}.delta"], f"{p}.delta")
-        flat = self.const(f"{p}.flat", np.array([-1], np.int64))
         if self.rows == 1:
             # the one row, flat: its outlier entries and their weight rows, [m] x [m, N]; Compress by a bool
             # mask is one kernel where NonZero + Reshape + Gather are three (decode: about 5% of its kernels)
+            flat = self.const(f"{p}.flat", np.array([-1], np.int64))
             self.add("Reshape", [f"{p}.delta", flat], [f"{p}.any"], f"{p}.any")
             self.add("Cast", [f"{p}.any"], [f"{p}.mask"], f"{p}.mask", to=9)  # bool: non-zero marks an outlier channel
             self.add("Compress", [f"{p}.any", f"{p}.mask"], [f"{p}.d"], f"{p}.select_x", axis=0)
             self.add("Compress", [self.weight(n.weights["weight_t"]), f"{p}.mask"], [f"{p}.w"], f"{p}.select_w", axis=0)
-        else:
-            # the channels where some row has an outlier, [rows, m] x [m, N]; Gather, since ONNX Runtime's
-            # Compress along the columns of a chunk was slower (SmolLM2 prefill 0.93x, same-process A/B).
-            # A column sum of |delta| is non-zero exactly where its maximum is, and ONNX Runtime's
-            # ReduceSum over the rows is vectorised where its ReduceMax is not (34 vs 189 us at 256 x 1536).
-            self.add("Abs", [f"{p}.delta"], [f"{p}.abs"], f"{p}.abs")
-            axes = self.const(f"{p}.axes", np.array([0], np.int64))
-            self.add("ReduceSum", [f"{p}.abs", axes], [f"{p}.any"], f"{p}.any", keepdims=0)
-            self.add("NonZero", [f"{p}.any"], [f"{p}.nz"], f"{p}.nonzero")
-            self.add("Reshape", [f"{p}.nz", flat], [f"{p}.chans"], f"{p}.chans")
-            self.add("Gather", [f"{p}.delta", f"{p}.chans"], [f"{p}.d"], f"{p}.gather_x", axis=1)
-            self.add("Gather", [self.weight(n.weights["weight_t"]), f"{p}.chans"], [f"{p}.w"], f"{p}.gather_w", axis=0)
-        self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr"], f"{p}.corr")
+            self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr"], f"{p}.corr")
+            return
+        # A chunk, in blocks of about SHADOW_BLOCK_ROWS rows (shadow_blocks): each block's outlier channels (where some row
+        # of the block has one), as many per block as the block with the most (a block with fewer takes
+        # channels where its delta is zero), [B, R, M] x [B, M, N]. Outliers in the spread-out inputs (o_proj,
+        # down_proj) touch half of a whole chunk's channels but far fewer of each block's.
+        # A column sum of |delta| is non-zero exactly where its maximum is, and ONNX Runtime's
+        # ReduceSum over the rows is vectorised where its ReduceMax is not (34 vs 189 us at 256 x 1536).
+        blocks, spread = self.row_blocks(x)
+        self.add("Reshape", [f"{p}.delta", blocks], [f"{p}.blocks"], f"{p}.blocks")
+        self.add("Abs", [f"{p}.blocks"], [f"{p}.abs"], f"{p}.abs")
+        one = self.const(f"{p}.axis1", np.array([1], np.int64))
+        self.add("ReduceSum", [f"{p}.abs", one], [f"{p}.any"], f"{p}.any", keepdims=0)  # [B, K]
+        zero = self.const(f"{p}.zero", np.array(0, np.float32))
+        self.add("Greater", [f"{p}.any", zero], [f"{p}.hit"], f"{p}.hit")
+        self.add("Cast", [f"{p}.hit"], [f"{p}.hits"], f"{p}.hits", to=7)  # int64
+        self.add("ReduceSum", [f"{p}.hits", one], [f"{p}.count"], f"{p}.count", keepdims=0)  # [B]
+        self.add("ReduceMax", [f"{p}.count"], [f"{p}.m"], f"{p}.m", keepdims=1)  # [1]: M
+        self.add("TopK", [f"{p}.any", f"{p}.m"], [f"{p}.top", f"{p}.chans"], f"{p}.chans", axis=1, sorted=0)  # [B, M]
+        self.add("Unsqueeze", [f"{p}.chans", one], [f"{p}.chans3"], f"{p}.chans3")
+        self.add("Expand", [f"{p}.chans3", spread], [f"{p}.idx"], f"{p}.idx")  # [B, R, M]
+        self.add("GatherElements", [f"{p}.blocks", f"{p}.idx"], [f"{p}.d"], f"{p}.gather_x", axis=2)
+        self.add("Gather", [self.weight(n.weights["weight_t"]), f"{p}.chans"], [f"{p}.w"], f"{p}.gather_w", axis=0)  # [B, M, N]
+        self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr3"], f"{p}.corr3")
+        flat = self.const(f"{p}.rows_n", np.array([-1, n.weights["weight_t"].shape[1]], np.int64))
+        self.add("Reshape", [f"{p}.corr3", flat], [f"{p}.corr"], f"{p}.unblock")
+
+    def row_blocks(self, x: str) -> tuple[str, str]:
+        """How a chunk's corrections split its rows (once per graph): into B blocks of R = rows / B rows
+        (:func:`shadow_blocks`). Returns the shapes ``[B, R, -1]`` and ``[1, R, 1]`` (which spreads a
+        block's channels over its rows): constants at a fixed row count; at a symbolic one, looked up
+        by the row count of ``x`` (any ``[rows, ...]`` value of the graph, the first correction's input)."""
+        if "shadow.blocks" not in self.made_once:
+            self.made_once.add("shadow.blocks")
+            if not self.dynamic:
+                b = shadow_blocks(self.rows)
+                self.const("shadow.blocks", np.array([b, self.rows // b, -1], np.int64))
+                self.const("shadow.spread", np.array([1, self.rows // b, 1], np.int64))
+            else:
+                table = self.const("shadow.block_counts", np.array([1] + [shadow_blocks(r) for r in range(1, self.rows + 1)], np.int64))
+                one, minus_one = self.const("shadow.one", np.array([1], np.int64)), self.const("shadow.minus_one", np.array([-1], np.int64))
+                self.add("Shape", [x], ["shadow.rows"], "shadow.rows", start=0, end=1)
+                self.add("Gather", [table, "shadow.rows"], ["shadow.b"], "shadow.b", axis=0)
+                self.add("Div", ["shadow.rows", "shadow.b"], ["shadow.r"], "shadow.r")
+                self.add("Concat", ["shadow.b", "shadow.r", minus_one], ["shadow.blocks"], "shadow.blocks", axis=0)
+                self.add("Concat", [one, "shadow.r", one], ["shadow.spread"], "shadow.spread", axis=0)
+        return "shadow.blocks", "shadow.spread"
 
     def value_info(self, name: str):
 

@@ -8,9 +8,9 @@ import pytest
 from conftest import CHUNK, MAX_CONTEXT, write_manifest
 
 
-def _shadow_graph(rows: int, K: int, splits: list[int], weight_t: np.ndarray, lo: float, hi: float, sliced: bool = False):
+def _shadow_graph(rows: int, K: int, splits: list[int], weight_t: np.ndarray, lo: float, hi: float, sliced: bool = False, dynamic: bool = False):
     """One ShadowOutliers over inputs x and y0, y1, ...; with ``sliced``, the ys are consecutive column
-    slices of one input y (a merged projection)."""
+    slices of one input y (a merged projection); with ``dynamic``, the instance takes any row count up to ``rows``."""
     from llmc.analyses import Subgraph
     from llmc.ir import Graph
 
@@ -30,15 +30,20 @@ def _shadow_graph(rows: int, K: int, splits: list[int], weight_t: np.ndarray, lo
     node = g.add_node("ShadowOutliers", [x, *ys], attrs={"lo": lo, "hi": hi, "hot_channels": [], "splits": splits},
                       weights={"weight_t": wt, "hot_rows": hot})
     g.set_outputs(node.outputs)
-    sub = Subgraph("s", tuple(n.name for n in [*members, node]), tuple(v.name for v in ins), tuple(v.name for v in node.outputs), ("wt", "hot"), (rows,))
+    sub = Subgraph("s", tuple(n.name for n in [*members, node]), tuple(v.name for v in ins), tuple(v.name for v in node.outputs), ("wt", "hot"),
+                   (rows,), dynamic_rows=dynamic)
     return g, sub
 
 
-@pytest.mark.parametrize("rows,sliced", [(1, False), (5, False), (1, True), (5, True)])
-def test_onnx_shadow_matches_float_matmul(tmp_path, rows, sliced):
+@pytest.mark.parametrize("rows,sliced,dynamic,run", [(1, False, False, (1,)), (5, False, False, (5,)), (1, True, False, (1,)), (5, True, False, (5,)),
+                                                     (130, False, False, (130,)), (128, True, False, (128,)),
+                                                     (200, False, True, (200, 1, 64, 65, 129, 193, 196)), (256, True, True, (256, 255, 3))])
+def test_onnx_shadow_matches_float_matmul(tmp_path, rows, sliced, dynamic, run):
     """clip(x) @ W (the NPU part) + the in-graph correction == x @ W; no outliers leaves y as is. When
     the corrected results are slices of one projection (q/k/v merged), the correction adds into it
-    whole: no Split, one Sum."""
+    whole: no Split, one Sum. A chunk's correction runs in equal blocks of about 64 rows, each with its
+    own channels: at fixed row counts (130: two blocks of 65) and at any row count of a dynamic
+    instance, with outliers in one block, in several, and in none."""
     import onnx
     import onnxruntime as ort
 
@@ -49,7 +54,7 @@ def test_onnx_shadow_matches_float_matmul(tmp_path, rows, sliced):
     K, splits = 32, [24, 8]
     W = rng.standard_normal((sum(splits), K)).astype(np.float32)
     lo, hi = -2.0, 2.0
-    g, sub = _shadow_graph(rows, K, splits, np.ascontiguousarray(W.T), lo, hi, sliced)
+    g, sub = _shadow_graph(rows, K, splits, np.ascontiguousarray(W.T), lo, hi, sliced, dynamic)
 
     class Plan:
         subgraphs = (sub,)
@@ -60,23 +65,28 @@ def test_onnx_shadow_matches_float_matmul(tmp_path, rows, sliced):
     model = (tmp_path / table["s"]["instances"][str(rows)]["file"]).read_bytes()
     ops = [n.op_type for n in onnx.load_model_from_string(model).graph.node]
     assert (ops.count("Split"), ops.count("Add")) == ((0, 1) if sliced else (1, 2))
+    if rows > 1:  # per block: its channels of the delta (GatherElements), their weight rows (Gather)
+        assert ops.count("GatherElements") == 1 and ops.count("TopK") == 1
     so = ort.SessionOptions()
     wt = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(W.T))
     so.add_external_initializers(["wt"], [wt])  # as the runtime feeds weights
     sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"], **cpu.session_kwargs())
-    # in a chunk, column 5's two outliers are equal and opposite past the range: a detection that
-    # summed the deltas without their sign dropped would miss the column
-    opposite = [(0, 5, hi + 1.5), (rows - 1, 5, lo - 1.5)] if rows > 1 else []
-    for planted in ([(0, 3, 9.0), (rows - 1, 17, -7.5), (0, 30, 4.0), *opposite], []):
-        x = rng.uniform(-1.9, 1.9, (rows, K)).astype(np.float32)
-        for r, c, v in planted:
-            x[r, c] = v
-        ys = np.clip(x, lo, hi) @ W.T
-        feeds = {"x": x, "y": ys} if sliced else {"x": x, "y0": ys[:, :24].copy(), "y1": ys[:, 24:].copy()}
-        got = np.concatenate(sess.run(None, feeds), axis=1)
-        np.testing.assert_allclose(got, x @ W.T, rtol=1e-5, atol=1e-4)
-        if not planted:
-            np.testing.assert_array_equal(got, ys)
+    for n in run:
+        # in a chunk, column 5's two outliers are equal and opposite past the range: a detection that
+        # summed the deltas without their sign dropped would miss the column; in the last rows, columns
+        # 11 and 20 have outliers that no other block shares
+        opposite = [(0, 5, hi + 1.5), (n - 1, 5, lo - 1.5), (n - 1, 11, 3.0), (n - 2, 20, -2.5)] if n > 1 else []
+        for planted in ([(0, 3, 9.0), (n - 1, 17, -7.5), (0, 30, 4.0), *opposite], []):
+            x = rng.uniform(-1.9, 1.9, (n, K)).astype(np.float32)
+            for r, c, v in planted:
+                x[r, c] = v
+            ys = np.clip(x, lo, hi) @ W.T
+            feeds = {"x": x, "y": ys} if sliced else {"x": x, "y0": ys[:, :24].copy(), "y1": ys[:, 24:].copy()}
+            got = np.concatenate(sess.run(None, feeds), axis=1)
+            assert got.shape == (n, sum(splits))
+            np.testing.assert_allclose(got, x @ W.T, rtol=1e-5, atol=1e-4)
+            if not planted:
+                np.testing.assert_array_equal(got, ys)
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +272,11 @@ def test_session_options_follow_the_graph_size(npu_bundle):
             assert so.intra_op_num_threads == 2 and shared
         seen.add(rows)
     assert seen == {1, CHUNK}
+
+
+def test_shadow_blocks():
+    """Equal blocks of about 64 rows: a 256-row chunk in four, a prime row count whole."""
+    from llmc.backends.onnx_backend import shadow_blocks
+
+    assert [shadow_blocks(r) for r in (1, 5, 64, 128, 130, 196, 200, 251, 255, 256, 512)] == [1, 1, 1, 2, 2, 4, 4, 1, 5, 4, 8]
+    assert all(r % shadow_blocks(r) == 0 for r in range(1, 600))
