@@ -60,7 +60,7 @@ from llmc import __version__
 from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, Subgraph
 from llmc.errors import UnsupportedModelError
 from llmc.ir import Graph, Node, Value, WeightRef
-from llmc.ops import sliced_whole
+from llmc.ops import shadow_blocks, sliced_whole
 from llmc.runtime.ort_attention import node_rotates
 
 log = logging.getLogger(__name__)
@@ -70,19 +70,6 @@ MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
 WEIGHTS_FILE = "weights/weights.bin"
 DECODE_SEQLENS, DECODE_TOTAL = "seqlens_k", "total_len"  # the decode graph's cache-length inputs
 ALIGN = 64
-# Rows per block of a chunk's shadow correction (ShadowOutliers) that shadow_blocks aims for: SmolLM2,
-# 256-row chunks, the corrections of four inputs of two layers took 8.9 ms as one block, 5.2 / 4.5 / 4.7 /
-# 5.2 ms in 2 / 4 / 8 / 16 blocks.
-SHADOW_BLOCK_ROWS = 64
-
-
-def shadow_blocks(rows: int) -> int:
-    """Into how many blocks of equal rows a chunk of ``rows`` rows splits its shadow corrections: the
-    divisor of ``rows`` whose block is nearest SHADOW_BLOCK_ROWS rows (by ratio; the larger block on a
-    tie). Equal blocks need no padding (a copy of the delta and one of the result); a prime row count
-    is one block."""
-    divisors = [b for b in range(1, rows + 1) if rows % b == 0]
-    return min(divisors, key=lambda b: (abs(np.log(rows / b / SHADOW_BLOCK_ROWS)), b))
 
 _NP_TO_ONNX = {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6, "int64": 7, "float16": 10}
 
@@ -342,7 +329,7 @@ class _Builder:
             self.add("Compress", [self.weight(n.weights["weight_t"]), f"{p}.mask"], [f"{p}.w"], f"{p}.select_w", axis=0)
             self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr"], f"{p}.corr")
             return
-        # A chunk, in blocks of about SHADOW_BLOCK_ROWS rows (shadow_blocks): each block's outlier channels (where some row
+        # A chunk, in blocks of about 64 rows (:func:`~llmc.ops.shadow_blocks`): each block's outlier channels (where some row
         # of the block has one), as many per block as the block with the most (a block with fewer takes
         # channels where its delta is zero), [B, R, M] x [B, M, N]. Outliers in the spread-out inputs (o_proj,
         # down_proj) touch half of a whole chunk's channels but far fewer of each block's.
@@ -369,7 +356,7 @@ class _Builder:
 
     def row_blocks(self, x: str) -> tuple[str, str]:
         """How a chunk's corrections split its rows (once per graph): into B blocks of R = rows / B rows
-        (:func:`shadow_blocks`). Returns the shapes ``[B, R, -1]`` and ``[1, R, 1]`` (which spreads a
+        (:func:`~llmc.ops.shadow_blocks`). Returns the shapes ``[B, R, -1]`` and ``[1, R, 1]`` (which spreads a
         block's channels over its rows): constants at a fixed row count; at a symbolic one, looked up
         by the row count of ``x`` (any ``[rows, ...]`` value of the graph, the first correction's input)."""
         if "shadow.blocks" not in self.made_once:

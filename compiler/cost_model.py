@@ -36,7 +36,10 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   4UN / cpu.mem_bytes_per_s)`` over the U channels expected to hold an outlier
   among n rows (``U = Σ_c 1 - (1 - p_c)^n`` from the calibration's per-channel
   outlier rates p_c; without calibration llm.npu's 0.3% of channels), and the
-  copy of the results (``8nN`` bytes).
+  copy of the results (``8nN`` bytes). Lowered into a graph at R > 1 rows, the
+  correction runs in B blocks (:func:`~llmc.ops.shadow_blocks`): ``max(2RUN /
+  cpu.fp32_flops_per_s, 4BUN / cpu.mem_bytes_per_s)`` with U expected among one
+  block's rows.
 * Embedding, rotary tables, row selection: bytes moved / ``cpu.mem_bytes_per_s``.
 * Every graph step adds its processor's ``launch_s``, every dynamic op step
   ``cpu.op_launch_s`` (default ``cpu.launch_s``); a hand-off between CPU and NPU
@@ -44,8 +47,8 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
 * A graph on the CPU also pays ``cpu.node_s`` (default 0) per kernel it runs:
   QLinear 2 (quantize, integer matmul), BlockQLinear 3 (MatMulNBits, the
   offsets' Gemm or the widened input's Concat, the block sums; 4 at chunk rows
-  with a Pad of the sums), ShadowOutliers lowered into a graph 8
-  plus one per output and a split, everything else 1. At one row these fixed
+  with a Pad of the sums), ShadowOutliers lowered into a graph 7 at one row and
+  16 at chunk rows, plus one per output and a split, everything else 1. At one row these fixed
   costs are a large part of a decode step.
 * Decode follows the program the runtime runs: when every decode graph is placed
   on the CPU, the one-graph decode (:class:`~llmc.analyses.DecodeGraph`: one
@@ -65,7 +68,7 @@ import functools
 from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, ShadowPlan, Step, Subgraph
 from llmc.device_profile import DeviceProfile
 from llmc.ir import Graph, Node
-from llmc.ops import kv_cache_itemsize
+from llmc.ops import kv_cache_itemsize, shadow_blocks
 from llmc.runtime.session import ONE_THREAD_BYTES
 
 # llm.npu: outliers sit in 5-15 channels per layer, 0.1-0.3% of them (REFERENCES.md).
@@ -114,9 +117,10 @@ class CostModel:
         return self._subgraphs[name]
 
     # -- nodes -----------------------------------------------------------------
-    def node_seconds(self, node: Node, rows: int, n: int, keys: int, proc: str, one_thread: bool = False) -> float:
+    def node_seconds(self, node: Node, rows: int, n: int, keys: int, proc: str, one_thread: bool = False, in_graph: bool = False) -> float:
         """``node`` at ``rows`` rows (``n`` of them real) attending ``keys`` keys, on ``proc``
-        (``one_thread``: in a graph the runtime runs on one CPU thread)."""
+        (``one_thread``: in a graph the runtime runs on one CPU thread; ``in_graph``: lowered into a
+        graph, where a chunk's shadow correction runs in row blocks, rather than the runtime's kernel)."""
         p = self.profile
         op = node.op
         if op in ("Linear", "QLinear"):
@@ -166,8 +170,13 @@ class CostModel:
             x = node.inputs[0]
             f = _features(x.shape)
             nout = sum(a["splits"])
-            u = self.outlier_channels(x.name, f, n)
-            corr = max(2.0 * n * u * nout / p["cpu.fp32_flops_per_s"], 4.0 * u * nout / bw)
+            if in_graph and rows > 1:  # B blocks of R rows, each over its own channels, all R rows of each
+                b = shadow_blocks(rows)
+                u = self.outlier_channels(x.name, f, min(n, rows // b))
+                corr = max(2.0 * rows * u * nout / p["cpu.fp32_flops_per_s"], 4.0 * b * u * nout / bw)
+            else:
+                u = self.outlier_channels(x.name, f, n)
+                corr = max(2.0 * n * u * nout / p["cpu.fp32_flops_per_s"], 4.0 * u * nout / bw)
             return 8.0 * n * f / bw + corr + 8.0 * rows * nout / bw
         if op in ("Embedding", "BlockEmbedding"):
             return 8.0 * rows * _features(node.outputs[0].shape) / bw
@@ -213,7 +222,7 @@ class CostModel:
             nodes = (step.name,)
             t = self.profile.get("cpu.op_launch_s") or self.profile["cpu.launch_s"]
         for name in nodes:
-            t += self.node_seconds(self._nodes[name], rows, n, keys, proc, one_thread)
+            t += self.node_seconds(self._nodes[name], rows, n, keys, proc, one_thread, step.kind == "graph")
         return t
 
     def read_bytes(self, step: Step) -> int:
@@ -304,8 +313,11 @@ def _kernels(node: Node, rows: int) -> int:
             return 3 + (rows > 1 and bool(node.inputs[0].shape[-1] // block % block))
         return 3 if "offsets" in node.weights else 1
     if node.op == "ShadowOutliers":
+        # Clip, Sub, then at one row Reshape, Cast, two Compress and the MatMul; at chunk rows the row blocks'
+        # Reshape, Abs, ReduceSum, Greater, Cast, ReduceSum, ReduceMax, TopK, Unsqueeze, Expand, GatherElements,
+        # Gather, MatMul and Reshape; an Add per output and a Split of several
         splits = len(node.attrs["splits"])
-        return 8 + splits + (1 if splits > 1 else 0)
+        return (7 if rows == 1 else 16) + splits + (1 if splits > 1 else 0)
     return 1
 
 
