@@ -60,7 +60,8 @@ from llmc import __version__
 from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, Subgraph
 from llmc.errors import UnsupportedModelError
 from llmc.ir import Graph, Node, Value, WeightRef
-from llmc.ops import shadow_blocks, sliced_whole
+from llmc.ops import sliced_whole
+from llmc.runtime.kernels import shadow_blocks
 from llmc.runtime.ort_attention import node_rotates
 
 log = logging.getLogger(__name__)
@@ -329,7 +330,7 @@ class _Builder:
             self.add("Compress", [self.weight(n.weights["weight_t"]), f"{p}.mask"], [f"{p}.w"], f"{p}.select_w", axis=0)
             self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr"], f"{p}.corr")
             return
-        # A chunk, in blocks of about 64 rows (:func:`~llmc.ops.shadow_blocks`): each block's outlier channels (where some row
+        # A chunk, in blocks of about 64 rows (:func:`~llmc.runtime.kernels.shadow_blocks`): each block's outlier channels (where some row
         # of the block has one), as many per block as the block with the most (a block with fewer takes
         # channels where its delta is zero), [B, R, M] x [B, M, N]. Outliers in the spread-out inputs (o_proj,
         # down_proj) touch half of a whole chunk's channels but far fewer of each block's.
@@ -356,7 +357,7 @@ class _Builder:
 
     def row_blocks(self, x: str) -> tuple[str, str]:
         """How a chunk's corrections split its rows (once per graph): into B blocks of R = rows / B rows
-        (:func:`~llmc.ops.shadow_blocks`). Returns the shapes ``[B, R, -1]`` and ``[1, R, 1]`` (which spreads a
+        (:func:`~llmc.runtime.kernels.shadow_blocks`). Returns the shapes ``[B, R, -1]`` and ``[1, R, 1]`` (which spreads a
         block's channels over its rows): constants at a fixed row count; at a symbolic one, looked up
         by the row count of ``x`` (any ``[rows, ...]`` value of the graph, the first correction's input)."""
         if "shadow.blocks" not in self.made_once:

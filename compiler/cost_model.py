@@ -32,14 +32,12 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   (``kv_bytes_per_s`` defaults to ``cpu.mem_bytes_per_s``); ``2S·kvH·D`` bytes
   with an int8 cache (``quantize_kv_cache``).
 * ``ShadowOutliers`` (CPU) for N outputs of the Linears reading x: a scan of
-  ``x`` (``8nF`` bytes), the correction ``max(2nUN / cpu.fp32_flops_per_s,
-  4UN / cpu.mem_bytes_per_s)`` over the U channels expected to hold an outlier
-  among n rows (``U = Σ_c 1 - (1 - p_c)^n`` from the calibration's per-channel
-  outlier rates p_c; without calibration llm.npu's 0.3% of channels), and the
-  copy of the results (``8nN`` bytes). Lowered into a graph at R > 1 rows, the
-  correction runs in B blocks (:func:`~llmc.ops.shadow_blocks`): ``max(2RUN /
-  cpu.fp32_flops_per_s, 4BUN / cpu.mem_bytes_per_s)`` with U expected among one
-  block's rows.
+  ``x`` (``8nF`` bytes), the correction in B blocks of n / B rows
+  (:func:`~llmc.runtime.kernels.shadow_blocks`) ``max(2nUN / cpu.fp32_flops_per_s,
+  4BUN / cpu.mem_bytes_per_s)`` over the U channels expected to hold an outlier
+  among a block's rows (``U = Σ_c 1 - (1 - p_c)^(n/B)`` from the calibration's
+  per-channel outlier rates p_c; without calibration llm.npu's 0.3% of channels),
+  and the copy of the results (``8nN`` bytes).
 * Embedding, rotary tables, row selection: bytes moved / ``cpu.mem_bytes_per_s``.
 * Every graph step adds its processor's ``launch_s``, every dynamic op step
   ``cpu.op_launch_s`` (default ``cpu.launch_s``); a hand-off between CPU and NPU
@@ -68,7 +66,8 @@ import functools
 from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, ShadowPlan, Step, Subgraph
 from llmc.device_profile import DeviceProfile
 from llmc.ir import Graph, Node
-from llmc.ops import kv_cache_itemsize, shadow_blocks
+from llmc.ops import kv_cache_itemsize
+from llmc.runtime.kernels import shadow_blocks
 from llmc.runtime.session import ONE_THREAD_BYTES
 
 # llm.npu: outliers sit in 5-15 channels per layer, 0.1-0.3% of them (REFERENCES.md).
@@ -117,10 +116,9 @@ class CostModel:
         return self._subgraphs[name]
 
     # -- nodes -----------------------------------------------------------------
-    def node_seconds(self, node: Node, rows: int, n: int, keys: int, proc: str, one_thread: bool = False, in_graph: bool = False) -> float:
+    def node_seconds(self, node: Node, rows: int, n: int, keys: int, proc: str, one_thread: bool = False) -> float:
         """``node`` at ``rows`` rows (``n`` of them real) attending ``keys`` keys, on ``proc``
-        (``one_thread``: in a graph the runtime runs on one CPU thread; ``in_graph``: lowered into a
-        graph, where a chunk's shadow correction runs in row blocks, rather than the runtime's kernel)."""
+        (``one_thread``: in a graph the runtime runs on one CPU thread)."""
         p = self.profile
         op = node.op
         if op in ("Linear", "QLinear"):
@@ -170,13 +168,9 @@ class CostModel:
             x = node.inputs[0]
             f = _features(x.shape)
             nout = sum(a["splits"])
-            if in_graph and rows > 1:  # B blocks of R rows, each over its own channels, all R rows of each
-                b = shadow_blocks(rows)
-                u = self.outlier_channels(x.name, f, min(n, rows // b))
-                corr = max(2.0 * rows * u * nout / p["cpu.fp32_flops_per_s"], 4.0 * b * u * nout / bw)
-            else:
-                u = self.outlier_channels(x.name, f, n)
-                corr = max(2.0 * n * u * nout / p["cpu.fp32_flops_per_s"], 4.0 * u * nout / bw)
+            b = shadow_blocks(n)  # blocks of n / b rows, each over the channels where it holds outliers
+            u = self.outlier_channels(x.name, f, n // b)
+            corr = max(2.0 * n * u * nout / p["cpu.fp32_flops_per_s"], 4.0 * b * u * nout / bw)
             return 8.0 * n * f / bw + corr + 8.0 * rows * nout / bw
         if op in ("Embedding", "BlockEmbedding"):
             return 8.0 * rows * _features(node.outputs[0].shape) / bw
@@ -222,7 +216,7 @@ class CostModel:
             nodes = (step.name,)
             t = self.profile.get("cpu.op_launch_s") or self.profile["cpu.launch_s"]
         for name in nodes:
-            t += self.node_seconds(self._nodes[name], rows, n, keys, proc, one_thread, step.kind == "graph")
+            t += self.node_seconds(self._nodes[name], rows, n, keys, proc, one_thread)
         return t
 
     def read_bytes(self, step: Step) -> int:

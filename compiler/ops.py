@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -301,17 +300,3 @@ OPS: dict[str, OpDef] = {
 def get(name: str) -> OpDef:
     return OPS[name]
 
-
-# Rows per block of a chunk's shadow correction (ShadowOutliers) that shadow_blocks aims for: SmolLM2,
-# 256-row chunks, the corrections of four inputs of two layers took 8.9 ms as one block, 5.2 / 4.5 / 4.7 /
-# 5.2 ms in 2 / 4 / 8 / 16 blocks.
-SHADOW_BLOCK_ROWS = 64
-
-
-def shadow_blocks(rows: int) -> int:
-    """Into how many blocks of equal rows a chunk of ``rows`` rows splits its shadow corrections: the
-    divisor of ``rows`` whose block is nearest SHADOW_BLOCK_ROWS rows (by ratio; the larger block on a
-    tie). Equal blocks need no padding (a copy of the delta and one of the result); a prime row count
-    is one block."""
-    divisors = [b for b in range(1, rows + 1) if rows % b == 0]
-    return min(divisors, key=lambda b: (abs(math.log(rows / b / SHADOW_BLOCK_ROWS)), b))

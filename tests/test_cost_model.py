@@ -96,13 +96,12 @@ def test_shadow_cost_follows_calibrated_channel_rates(planned):
         assert cm.outlier_channels(x, f, 256) == pytest.approx(0.0 if q is cold else f)
         costs.append(cm.node_seconds(sh, 256, 256, 256, "cpu"))
     assert costs[1] > 10 * costs[0]
-    # lowered into a graph, a chunk's correction runs in 4 blocks of 64 rows, each over the channels
-    # expected among its own rows: fewer than among 256 when outliers are rare and spread out
+    # a chunk's correction runs in 4 blocks of 64 rows, each over the channels expected among its own
+    # rows: fewer than among 256 when outliers are rare and spread out; a prime row count is one block
     spread = dataclasses.replace(sp.inputs[x], channel_rates=tuple([0.01] * f))
     cm = CostModel(graph, ctx.get(ChunkPlan), load("8gen3"), ShadowPlan({**sp.inputs, x: spread}, 99.0, 1.0, True), quantized=True)
-    kernel, lowered = (cm.node_seconds(sh, 256, 256, 256, "cpu", in_graph=g) for g in (False, True))
-    assert cm.outlier_channels(x, f, 64) < 0.6 * cm.outlier_channels(x, f, 256) and lowered < 0.8 * kernel
-    assert cm.node_seconds(sh, 1, 1, 256, "cpu", in_graph=True) == cm.node_seconds(sh, 1, 1, 256, "cpu")
+    assert cm.outlier_channels(x, f, 64) < 0.6 * cm.outlier_channels(x, f, 251)
+    assert cm.node_seconds(sh, 256, 256, 256, "cpu") < 0.8 * cm.node_seconds(sh, 251, 251, 256, "cpu")
 
 
 def test_gemv_table_interpolates_and_extrapolates():

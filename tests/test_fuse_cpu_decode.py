@@ -276,7 +276,7 @@ def test_session_options_follow_the_graph_size(npu_bundle):
 
 def test_shadow_blocks():
     """Equal blocks of about 64 rows: a 256-row chunk in four, a prime row count whole."""
-    from llmc.ops import shadow_blocks
+    from llmc.runtime.kernels import shadow_blocks
 
     assert [shadow_blocks(r) for r in (1, 5, 64, 128, 130, 196, 200, 251, 255, 256, 512)] == [1, 1, 1, 2, 2, 4, 4, 1, 5, 4, 8]
     assert all(r % shadow_blocks(r) == 0 for r in range(1, 600))

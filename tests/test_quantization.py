@@ -40,14 +40,16 @@ def _run(g, ctx, pipeline):
     run_pipeline(g, parse_pipeline(pipeline, REGISTRY), ctx)
 
 
-def test_shadow_kernel_restores_float_matmul():
-    """clip(x) @ W (the NPU part) + the shadow correction == x @ W, with hot and cold rows."""
+@pytest.mark.parametrize("T_", [16, 200])
+def test_shadow_kernel_restores_float_matmul(T_):
+    """clip(x) @ W (the NPU part) + the shadow correction == x @ W, with hot and cold rows; 200 rows
+    run in four blocks of 50, each over its own channels (17 only in the third, 30 only in the last)."""
     from llmc.runtime import kernels
 
     rng = np.random.default_rng(0)
-    T_, K, N = 16, 32, 24
+    K, N = 32, 24
     x = rng.standard_normal((T_, K)).astype(np.float32)
-    planted = [(1, 3, 40.0), (5, 3, -25.0), (9, 17, 60.0), (15, 30, -80.0)]
+    planted = [(1, 3, 40.0), (5, 3, -25.0), (T_ // 2 + 1, 17, 60.0), (T_ - 1, 30, -80.0)]
     for r, c, val in planted:
         x[r, c] = val
     W1 = rng.standard_normal((N, K)).astype(np.float32)  # two Linears reading x (like gate/up)
