@@ -257,6 +257,7 @@ def shadow_outliers(
     ``ys`` arrays themselves are corrected.
     """
     xs = x[:n]
+    n = len(xs)  # rows after SelectRows (the head's input) are fewer than the chunk's
     # x - clip(x) is non-zero exactly at the outliers (a difference of distinct floats never is zero).
     delta = xs - np.clip(xs, np.float32(lo), np.float32(hi))
     if n == 1:  # decode: one row, skip the reductions

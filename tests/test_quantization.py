@@ -70,6 +70,10 @@ def test_shadow_kernel_restores_float_matmul(T_):
     np.testing.assert_allclose(ys2[0][:4], (x @ W1.T)[:4], rtol=1e-5, atol=1e-4)
     np.testing.assert_array_equal(ys2[0][4:], ys_npu[0][4:])
     assert count2 == 1
+    # the rows SelectRows kept (the LM head's input): fewer than the chunk's n
+    ys3, count3 = kernels.shadow_outliers(x[1:2], [y[1:2] for y in ys_npu], [N, N // 2], *args, T_)
+    np.testing.assert_allclose(ys3[0], (x @ W1.T)[1:2], rtol=1e-5, atol=1e-4)
+    assert count3 == 1
 
 
 def test_calibration_stats_and_cache(model_dirs, calib_file, tmp_path, monkeypatch):
