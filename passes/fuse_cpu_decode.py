@@ -17,10 +17,14 @@ graph (``fuse_decode_graph``), and for prefill when the
 CPU runs every prefill graph (the CPU provider; the corrections then run on all of ONNX Runtime's threads,
 with no Python step between a correction and its matmuls: SmolLM2 prefill at
 512 tokens 1.31x faster, same-process A/B); the QNN provider keeps the chunk
-program, whose quantized graphs run on the HTP. Bundles
+program, whose quantized graphs run on the HTP. Without shadow corrections
+(``--no-shadow``) the cut is the chunk program's, and the pass still gives the
+CPU its own instances at a symbolic row count: the chunk program's graphs, which
+may run on the NPU, have fixed shapes, so a prompt's last chunk would be padded
+to C rows (SmolLM2, a 128-token prompt: as slow as 256 tokens). Bundles
 compiled with a memory budget stream weights per step of the chunk program, so
-the pass does nothing for them; nor without shadow outliers, where the chunk
-program's one-row instances are already maximal.
+the pass does nothing for them; nor for the cpu target, whose chunk program is
+the CPU's already.
 
 Produces :class:`llmc.analyses.DecodePlan`; the IR is unchanged.
 """
@@ -41,18 +45,19 @@ class FuseCpuDecode(Pass):
     name = "fuse_cpu_decode"
     summary = "the CPU's program (decode, and prefill on --provider cpu): shadow corrections inside the graphs, one graph call between attentions"
     requires = (ChunkPlan,)
-    produces = ()  # DecodePlan, only when there are shadow corrections and no memory budget
+    produces = ()  # DecodePlan, only for the npu target without a memory budget
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        if not graph.find("ShadowOutliers"):
-            return PassResult(False)
+        chunk_plan = ctx.get(ChunkPlan)
+        if not graph.find("ShadowOutliers") and (ctx.options.chunk == 1 or all(s.dynamic_rows for s in chunk_plan.subgraphs)):
+            return PassResult(False)  # the chunk program is already the CPU's (the cpu target)
         if ctx.options.memory_budget:
             log.info("%s: skipped, a budgeted bundle streams weights per step of the chunk program", self.name)
             return PassResult(False)
         rows = (1, ctx.options.chunk) if ctx.options.chunk > 1 else (1,)
         subgraphs, steps = cut(graph, rows, lambda n: not n.schema.is_static and n.op != "ShadowOutliers", self.name, prefix="decode", head="decode_head",
                                dynamic=len(rows) > 1)  # the CPU's graphs: a last chunk runs at its own length
-        before = len(ctx.get(ChunkPlan).steps)
+        before = len(chunk_plan.steps)
         log.info("%s: %d decode steps instead of %d (%d graphs)", self.name, len(steps), before, len(subgraphs))
         ctx.put(DecodePlan(subgraphs, steps))
         return PassResult(False)

@@ -200,6 +200,37 @@ def test_cpu_prefill_runs_the_cpu_program(npu_bundle, model_dirs, calib_words, m
     assert sum(old.outlier_counts.values()) > 0  # the chunk program's Python corrections ran
 
 
+def test_plain_w8a8_gets_a_cpu_program_at_any_row_count(model_dirs, calib_words, tmp_path, monkeypatch):
+    """Without shadow corrections (--no-shadow) the CPU program has the chunk program's cut, with chunk
+    instances that take any row count: a prompt's last chunk runs at its own length on the CPU provider
+    (the chunk program's graphs, which may run on the NPU, are fixed at C rows), same logits."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session, load_manifest
+
+    out = tmp_path / "plain"
+    compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, calib_file=str(calib_words), calib_tokens=256,
+                  shadow=False)
+    m = load_manifest(out)
+    assert len(m["decode_program"]) == len(m["program"])
+    assert all(m["graphs"][st["name"]]["instances"][str(CHUNK)].get("dynamic") for st in m["decode_program"] if st["kind"] == "graph")
+    assert not any(m["graphs"][st["name"]]["instances"][str(CHUNK)].get("dynamic") for st in m["program"] if st["kind"] == "graph")
+    ids = [int(t) for t in np.random.default_rng(5).integers(4, 120, size=2 * CHUNK + 3)]
+    s = Session(out, "cpu")
+    assert s._cpu_prefill and s._exact_chunks
+    ran = []
+    real_run_graph = s._run_graph
+    monkeypatch.setattr(s, "_run_graph", lambda st, buf, phase: ran.append((st["name"], buf[st["inputs"][0]].shape[0])) or real_run_graph(st, buf, phase))
+    s.reset()
+    got = s.prefill(ids, all_logits=True)
+    assert {name for name, _ in ran} <= s._decode_graphs and {rows for _, rows in ran} == {CHUNK, 3}
+    s._cpu_prefill = False  # the chunk program, its last chunk padded to C rows
+    ran.clear()
+    s.reset()
+    ref = s.prefill(ids, all_logits=True)
+    assert {rows for _, rows in ran} == {CHUNK}
+    np.testing.assert_allclose(got, ref, atol=1e-5 * np.abs(ref).max())
+
+
 def test_cpu_program_follows_the_placement_off_the_cpu_provider(npu_bundle):
     """With the QNN provider a phase runs the CPU program only when its placement keeps every graph on the CPU."""
     from llmc.runtime import Session
