@@ -8,11 +8,10 @@ shared-buffer mode), so no cache bytes are copied per step.
 
 The runtime may not depend on the ``onnx`` package, so the one-node model is
 serialised here with a minimal protobuf writer (the fields used are listed in
-:func:`gqa_model`). For chunks, rotary embedding stays in numpy (``_rope``, as in
-the numpy kernel); for one row the node rotates q and k itself from tables of
-every position filled from the program's ``RotaryTable`` (partial rotary keeps
-the numpy arithmetic, into bound buffers); sliding-window attention keeps the
-numpy kernel. A layer with an int8 cache (``--kv-cache int8``): one row goes
+:func:`gqa_model`). The node rotates q and k itself from tables of every
+position filled from the program's ``RotaryTable`` (for a chunk's rows at once);
+partial rotary keeps the numpy arithmetic (``_rope``, as in the numpy kernel), as
+do chunks over an int8 cache; sliding-window attention keeps the numpy kernel. A layer with an int8 cache (``--kv-cache int8``): one row goes
 through the node's ``PER_CHANNEL`` int8 cache (it quantizes the row it appends
 with the layer's scales, bound as two more inputs); a chunk stores its rows as
 int8 codes and attends in float32 over a dequantized copy of the cached prefix
@@ -157,9 +156,14 @@ class OrtAttention:
         """Create the sessions for this configuration (chunks, and with ``one_row`` one row) now rather than on first use."""
         key = (num_heads, num_kv_heads, head_dim, float(scale))
         int8 = self._cache.quantized(layer)
-        self._session(key + (False, False))  # chunks attend in float32 (see _int8_chunk)
+        self._session(key + (self._chunk_rotates(rotary_dim, head_dim, layer), False))  # chunks attend in float32 (see _int8_chunk)
         if one_row:
             self._one_row_sessions(key + (node_rotates(rotary_dim, head_dim), int8))
+
+    def _chunk_rotates(self, rotary_dim: int, head_dim: int, layer: int) -> bool:
+        """Whether the node rotates a chunk's q and k (else numpy does): as for one row, except over an
+        int8 cache, where the chunk's keys are quantized rotated (:meth:`_int8_chunk`)."""
+        return node_rotates(rotary_dim, head_dim) and not self._cache.quantized(layer)
 
     def _session(self, key: tuple, threads: int | None = None):
         """The session of ``(heads, kv heads, head dim, scale, node rotates, int8 cache)`` on ``threads`` (default: all)."""
@@ -223,18 +227,25 @@ class OrtAttention:
                 one = self._one[layer] = _OneRow(runs, h, kvh, d, tables, one_thread_len=ONE_THREAD_KV_BYTES // (2 * kvh * d * 4))
             return one(q, k, v, cos, sin, start, rotary_dim)
         qn, kn = q[:n], k[:n]
-        if rotary_dim:
+        rotates = self._chunk_rotates(rotary_dim, d, layer)
+        if rotates:  # the node rotates q and k at the positions after the past, from tables of every position
+            tables = self._rotary_tables(d)
+            tables.write_rows(start, cos[:n], sin[:n])
+        elif rotary_dim:
             qn = kernels._rope(qn.reshape(n, h, d), cos[:n], sin[:n], rotary_dim).reshape(n, h * d)
             kn = kernels._rope(kn.reshape(n, kvh, d), cos[:n], sin[:n], rotary_dim).reshape(n, kvh * d)
         vn = v[:n]
-        key = (h, kvh, d, float(scale), False, False)
+        key = (h, kvh, d, float(scale), rotates, False)
         sess = self._session(key)
         if self._cache.quantized(layer):
             b, kn, vn = self._int8_chunk(sess, key, layer, start, kn.reshape(n, kvh, d), vn.reshape(n, kvh, d))
         else:
             b = self._bound.get(layer)
-            if b is None:  # the caches stay bound as past and present across calls
+            if b is None:  # the caches (and the rotary tables) stay bound across calls
                 b = self._bound[layer] = self._cache_binding(sess, layer)
+                if rotates:
+                    for name, a in (("cos_cache", tables.cos), ("sin_cache", tables.sin)):
+                        b.bind_input(name, "cpu", 0, a.dtype.type, list(a.shape), a.ctypes.data)
         # A chunk gets a fresh output array: the compiled out-of-order schedule may run this layer
         # for the next chunk before the previous chunk's result has been consumed.
         out = np.zeros((rows, h * d), np.float32)
@@ -315,6 +326,13 @@ class _RotaryTables:
         self.cos = np.zeros((capacity, half), np.float32)
         self.sin = np.zeros((capacity, half), np.float32)
         self._written = np.zeros(capacity, bool)
+
+    def write_rows(self, start: int, cos: np.ndarray, sin: np.ndarray) -> None:
+        """The rows of positions ``start, start + 1, ...`` from a chunk's ``RotaryTable`` result."""
+        n, half = len(cos), self.cos.shape[1]
+        self.cos[start : start + n] = cos[:, :half]
+        self.sin[start : start + n] = sin[:, :half]
+        self._written[start : start + n] = True
 
     def write(self, position: int, cos: np.ndarray, sin: np.ndarray) -> None:
         if not self._written[position]:  # once per position, not once per layer
