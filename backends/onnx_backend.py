@@ -288,8 +288,8 @@ class _Builder:
 
     def shadow_outliers(self, n: Node, x: list[str], y: list[str]) -> None:
         """``y_i = ys_i + (x - clip(x)) @ W_i^T`` over the channels where some row of x is
-        outside ``[lo, hi]`` (found with NonZero, so the matmul is [rows, m] x [m, N] for m
-        outlier channels): the runtime kernel's arithmetic as ONNX ops, for graphs that run
+        outside ``[lo, hi]`` (at one row found with a mask, in a chunk per block of rows: see
+        :meth:`shadow_correction`): the runtime kernel's arithmetic as ONNX ops, for graphs that run
         on the CPU (``fuse_cpu_decode``). When the ys are the column slices of one projection
         (q/k/v merged by ``fuse_sibling_linears``), the correction adds to it whole and the
         results are sliced after: one add instead of a split and one per part."""
@@ -330,10 +330,10 @@ class _Builder:
             self.add("Compress", [self.weight(n.weights["weight_t"]), f"{p}.mask"], [f"{p}.w"], f"{p}.select_w", axis=0)
             self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr"], f"{p}.corr")
             return
-        # A chunk, in blocks of about 64 rows (:func:`~llmc.runtime.kernels.shadow_blocks`): each block's outlier channels (where some row
-        # of the block has one), as many per block as the block with the most (a block with fewer takes
-        # channels where its delta is zero), [B, R, M] x [B, M, N]. Outliers in the spread-out inputs (o_proj,
-        # down_proj) touch half of a whole chunk's channels but far fewer of each block's.
+        # A chunk, in equal blocks of about 64 rows (llmc.runtime.kernels.shadow_blocks): each block's outlier
+        # channels (where some row of the block has one), as many per block as the block with the most (a block
+        # with fewer takes channels where its delta is zero), [B, R, M] x [B, M, N]. Outliers in the spread-out
+        # inputs (o_proj, down_proj) touch half of a whole chunk's channels but far fewer of each block's.
         # A column sum of |delta| is non-zero exactly where its maximum is, and ONNX Runtime's
         # ReduceSum over the rows is vectorised where its ReduceMax is not (34 vs 189 us at 256 x 1536).
         blocks, spread = self.row_blocks(x)
@@ -342,7 +342,8 @@ class _Builder:
         one = self.const(f"{p}.axis1", np.array([1], np.int64))
         self.add("ReduceSum", [f"{p}.abs", one], [f"{p}.any"], f"{p}.any", keepdims=0)  # [B, K]
         zero = self.const(f"{p}.zero", np.array(0, np.float32))
-        self.add("Greater", [f"{p}.any", zero], [f"{p}.hit"], f"{p}.hit")
+        self.add("Equal", [f"{p}.any", zero], [f"{p}.miss"], f"{p}.miss")
+        self.add("Not", [f"{p}.miss"], [f"{p}.hit"], f"{p}.hit")  # a NaN counts, as in the runtime's kernel
         self.add("Cast", [f"{p}.hit"], [f"{p}.hits"], f"{p}.hits", to=7)  # int64
         self.add("ReduceSum", [f"{p}.hits", one], [f"{p}.count"], f"{p}.count", keepdims=0)  # [B]
         self.add("ReduceMax", [f"{p}.count"], [f"{p}.m"], f"{p}.m", keepdims=1)  # [1]: M
@@ -357,9 +358,10 @@ class _Builder:
 
     def row_blocks(self, x: str) -> tuple[str, str]:
         """How a chunk's corrections split its rows (once per graph): into B blocks of R = rows / B rows
-        (:func:`~llmc.runtime.kernels.shadow_blocks`). Returns the shapes ``[B, R, -1]`` and ``[1, R, 1]`` (which spreads a
-        block's channels over its rows): constants at a fixed row count; at a symbolic one, looked up
-        by the row count of ``x`` (any ``[rows, ...]`` value of the graph, the first correction's input)."""
+        (:func:`~llmc.runtime.kernels.shadow_blocks`). Returns the shapes ``[B, R, -1]`` and ``[1, R, 1]``
+        (which spreads a block's channels over its rows): constants at a fixed row count; at a symbolic
+        one, looked up by the row count of ``x`` (any ``[rows, ...]`` value of the graph, the first
+        correction's input)."""
         if "shadow.blocks" not in self.made_once:
             self.made_once.add("shadow.blocks")
             if not self.dynamic:

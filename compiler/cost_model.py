@@ -46,7 +46,7 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   QLinear 2 (quantize, integer matmul), BlockQLinear 3 (MatMulNBits, the
   offsets' Gemm or the widened input's Concat, the block sums; 4 at chunk rows
   with a Pad of the sums), ShadowOutliers lowered into a graph 7 at one row and
-  16 at chunk rows, plus one per output and a split, everything else 1. At one row these fixed
+  17 at chunk rows, plus one per output and a split, everything else 1. At one row these fixed
   costs are a large part of a decode step.
 * Decode follows the program the runtime runs: when every decode graph is placed
   on the CPU, the one-graph decode (:class:`~llmc.analyses.DecodeGraph`: one
@@ -308,10 +308,10 @@ def _kernels(node: Node, rows: int) -> int:
         return 3 if "offsets" in node.weights else 1
     if node.op == "ShadowOutliers":
         # Clip, Sub, then at one row Reshape, Cast, two Compress and the MatMul; at chunk rows the row blocks'
-        # Reshape, Abs, ReduceSum, Greater, Cast, ReduceSum, ReduceMax, TopK, Unsqueeze, Expand, GatherElements,
+        # Reshape, Abs, ReduceSum, Equal, Not, Cast, ReduceSum, ReduceMax, TopK, Unsqueeze, Expand, GatherElements,
         # Gather, MatMul and Reshape; an Add per output and a Split of several
         splits = len(node.attrs["splits"])
-        return (7 if rows == 1 else 16) + splits + (1 if splits > 1 else 0)
+        return (7 if rows == 1 else 17) + splits + (1 if splits > 1 else 0)
     return 1
 
 

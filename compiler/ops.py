@@ -299,4 +299,3 @@ OPS: dict[str, OpDef] = {
 
 def get(name: str) -> OpDef:
     return OPS[name]
-

@@ -24,7 +24,7 @@ may run on the NPU, have fixed shapes, so a prompt's last chunk would be padded
 to C rows (SmolLM2, a 128-token prompt: as slow as 256 tokens). Bundles
 compiled with a memory budget stream weights per step of the chunk program, so
 the pass does nothing for them; nor for the cpu target, whose chunk program is
-the CPU's already.
+the CPU's already, nor without shadow corrections at ``--chunk 1``.
 
 Produces :class:`llmc.analyses.DecodePlan`; the IR is unchanged.
 """

@@ -7,6 +7,7 @@ vectorised over heads and rows: no Python loop per token or per head.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -222,6 +223,7 @@ def attention(
 SHADOW_BLOCK_ROWS = 64
 
 
+@functools.lru_cache(maxsize=None)
 def shadow_blocks(rows: int) -> int:
     """Into how many blocks of equal rows a chunk of ``rows`` rows splits its shadow corrections: the
     divisor of ``rows`` whose block is nearest SHADOW_BLOCK_ROWS rows (by ratio; the larger block on a

@@ -10,8 +10,9 @@ The runtime may not depend on the ``onnx`` package, so the one-node model is
 serialised here with a minimal protobuf writer (the fields used are listed in
 :func:`gqa_model`). The node rotates q and k itself from tables of every
 position filled from the program's ``RotaryTable`` (for a chunk's rows at once);
-partial rotary keeps the numpy arithmetic (``_rope``, as in the numpy kernel), as
-do chunks over an int8 cache; sliding-window attention keeps the numpy kernel. A layer with an int8 cache (``--kv-cache int8``): one row goes
+partial rotary and head sizes that are not a multiple of 16 keep the numpy
+arithmetic (``_rope``, as in the numpy kernel), as do chunks over an int8 cache;
+sliding-window attention keeps the numpy kernel. A layer with an int8 cache (``--kv-cache int8``): one row goes
 through the node's ``PER_CHANNEL`` int8 cache (it quantizes the row it appends
 with the layer's scales, bound as two more inputs); a chunk stores its rows as
 int8 codes and attends in float32 over a dequantized copy of the cached prefix
@@ -141,7 +142,7 @@ class OrtAttention:
         self._caches: dict[int, tuple[Any, ...]] = {}  # layer -> K and V cache OrtValues (they keep the views alive), int8: their scales
         self._bound: dict[int, Any] = {}  # layer -> the chunks' IOBinding
         self._one: dict[int, _OneRow] = {}  # layer -> decode's binding, bound once
-        self._tables: dict[int, _RotaryTables] = {}  # head dim -> decode's cos/sin by position, shared by the layers
+        self._tables: dict[int, _RotaryTables] = {}  # head dim -> cos/sin by position, shared by the layers
         self._scratch: dict[tuple[int, int], tuple] = {}  # (kv heads, head dim) -> float32 cache for chunks over int8 caches
         self._scratch_bound: dict[tuple, Any] = {}  # chunk session key -> its IOBinding of the scratch
 
@@ -316,10 +317,11 @@ def node_rotates(rotary_dim: int, head_dim: int) -> bool:
 class _RotaryTables:
     """``cos``/``sin`` by position (``[capacity, D/2]``), for attention nodes that rotate q and k.
 
-    Rows are written the first time decode reaches their position, from the
-    program's own ``RotaryTable`` result for it (a position's row never
-    changes), so the rotation uses the same numbers as the numpy path
-    (rotate-half tables repeat their first half).
+    Rows are written when a chunk or a decode step reaches their position, from
+    the program's own ``RotaryTable`` result for it (a position's row never
+    changes: decode writes it once, a chunk its rows at once), so the rotation
+    uses the same numbers as the numpy path (rotate-half tables repeat their
+    first half).
     """
 
     def __init__(self, capacity: int, half: int) -> None:

@@ -158,8 +158,8 @@ def test_kernels_attention_matches_reference():
 def test_ort_attention_matches_numpy_kernel(d, rotary_dim):
     """The ONNX Runtime GQA path equals the numpy kernel over chunked prefill (with padding) and decode, cache included.
 
-    For one row with full rotary on a head size ONNX Runtime's kernel rotates
-    (a multiple of 16) the node rotates q and k itself: equal up to rounding.
+    With full rotary on a head size ONNX Runtime's kernel rotates (a multiple of
+    16) the node rotates q and k itself, for chunks and one row: equal up to rounding.
     """
     import onnx
     import onnxruntime as ort
