@@ -281,11 +281,11 @@ def shadow_outliers(
         rows = np.empty((len(chans), weight_t.shape[1]), np.float32)
         rows[~cold] = hot_rows[pos[~cold]]
         rows[cold] = weight_t[chans[cold]]
-    if n == 1:
+    r = n // shadow_blocks(n)
+    if r == n:  # one block: its channels are all of them
         corr = delta[:, chans] @ rows
     else:  # in row blocks, each over its own channels, as the graphs' lowering
         sub = nonzero[:, chans]
-        r = n // shadow_blocks(n)
         corr = np.empty((n, rows.shape[1]), np.float32)
         for s in range(0, n, r):
             cols = sub[s : s + r].any(axis=0).nonzero()[0]

@@ -231,7 +231,7 @@ class OrtAttention:
         rotates = self._chunk_rotates(rotary_dim, d, layer)
         if rotates:  # the node rotates q and k at the positions after the past, from tables of every position
             tables = self._rotary_tables(d)
-            tables.write_rows(start, cos[:n], sin[:n])
+            tables.write(start, cos[:n], sin[:n])
         elif rotary_dim:
             qn = kernels._rope(qn.reshape(n, h, d), cos[:n], sin[:n], rotary_dim).reshape(n, h * d)
             kn = kernels._rope(kn.reshape(n, kvh, d), cos[:n], sin[:n], rotary_dim).reshape(n, kvh * d)
@@ -329,19 +329,17 @@ class _RotaryTables:
         self.sin = np.zeros((capacity, half), np.float32)
         self._written = np.zeros(capacity, bool)
 
-    def write_rows(self, start: int, cos: np.ndarray, sin: np.ndarray) -> None:
-        """The rows of positions ``start, start + 1, ...`` from a chunk's ``RotaryTable`` result."""
-        n, half = len(cos), self.cos.shape[1]
+    def write(self, start: int, cos: np.ndarray, sin: np.ndarray) -> None:
+        """The rows of positions ``start, start + 1, ...`` from a ``RotaryTable`` result (one row in decode,
+        a chunk's rows); once per position, not once per layer. Positions are reached in order from 0, so
+        the written ones are a prefix: the range is written if its last position is."""
+        n = len(cos)
+        if self._written[start + n - 1]:
+            return
+        half = self.cos.shape[1]
         self.cos[start : start + n] = cos[:, :half]
         self.sin[start : start + n] = sin[:, :half]
         self._written[start : start + n] = True
-
-    def write(self, position: int, cos: np.ndarray, sin: np.ndarray) -> None:
-        if not self._written[position]:  # once per position, not once per layer
-            half = self.cos.shape[1]
-            self.cos[position] = cos[0, :half]
-            self.sin[position] = sin[0, :half]
-            self._written[position] = True
 
 
 # Decode attends on one thread while a layer's cached K and V up to the position are at most this
