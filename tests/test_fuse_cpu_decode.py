@@ -311,3 +311,34 @@ def test_shadow_blocks():
 
     assert [shadow_blocks(r) for r in (1, 5, 64, 128, 130, 196, 200, 251, 255, 256, 512)] == [1, 1, 1, 2, 2, 4, 4, 1, 5, 4, 8]
     assert all(r % shadow_blocks(r) == 0 for r in range(1, 600))
+
+
+def test_chunk_correction_keeps_every_channel_beside_a_nan(tmp_path):
+    """A NaN in a chunk counts as an outlier channel: ONNX Runtime's TopK ranks NaN first, so a count
+    without it would leave a real outlier channel out of the block's selection."""
+    import onnx
+    import onnxruntime as ort
+
+    from llmc.backends.onnx_backend import emit_graphs, write_weights
+    from llmc.runtime import cpu
+
+    rng = np.random.default_rng(0)
+    K, splits, rows = 32, [24, 8], 64
+    W = rng.standard_normal((sum(splits), K)).astype(np.float32)
+    g, sub = _shadow_graph(rows, K, splits, np.ascontiguousarray(W.T), -2.0, 2.0)
+
+    class Plan:
+        subgraphs = (sub,)
+
+    table = emit_graphs(g, Plan, write_weights(g, ["wt", "hot"], tmp_path), tmp_path)
+    model = onnx.load_model_from_string((tmp_path / table["s"]["instances"][str(rows)]["file"]).read_bytes())
+    chans = next(o for n in model.graph.node if n.op_type == "TopK" for o in n.output if o.endswith(".chans"))
+    model.graph.output.append(onnx.helper.make_empty_tensor_value_info(chans))  # the block's selected channels
+    so = ort.SessionOptions()
+    so.add_external_initializers(["wt"], [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(W.T))])
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"], **cpu.session_kwargs())
+    x = rng.uniform(-1.9, 1.9, (rows, K)).astype(np.float32)
+    x[3, 7], x[10, 20], x[40, 28], x[63, 30] = np.nan, 5.0, -4.0, 3.0
+    ys = np.clip(np.nan_to_num(x), -2.0, 2.0) @ W.T
+    *_, selected = sess.run(None, {"x": x, "y0": ys[:, :24].copy(), "y1": ys[:, 24:].copy()})
+    assert {20, 28, 30} <= set(selected.ravel().tolist())

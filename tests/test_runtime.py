@@ -189,6 +189,9 @@ def test_ort_attention_matches_numpy_kernel(d, rotary_dim):
         else:
             np.testing.assert_array_equal(cache.k[0], ref.k[0])
         np.testing.assert_array_equal(cache.v[0], ref.v[0])
+        if start == 0:  # the first chunk: its session rotates iff the node can, from the chunk's rows of the tables
+            assert [key[4] for key in attn._sessions] == [node_rotates]
+            assert (d in attn._tables and attn._tables[d]._written[:n].all()) == node_rotates
         if rows == 1:  # decode: the one-row binding's own output buffer, bound once and reused
             assert got is attn._one[0].out
             assert (attn._one[0]._tables is not None) == node_rotates
