@@ -70,6 +70,7 @@ OPSET = 23
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
 WEIGHTS_FILE = "weights/weights.bin"
 DECODE_SEQLENS, DECODE_TOTAL = "seqlens_k", "total_len"  # the decode graph's cache-length inputs
+DECODE_LOGIT_ROWS = "logit_rows"  # its chunk instance's rows that need logits (int64 [k])
 ALIGN = 64
 
 _NP_TO_ONNX = {"float32": 1, "uint8": 2, "int8": 3, "uint16": 4, "int16": 5, "int32": 6, "int64": 7, "float16": 10}
@@ -356,27 +357,33 @@ class _Builder:
         flat = self.const(f"{p}.rows_n", np.array([-1, n.weights["weight_t"].shape[1]], np.int64))
         self.add("Reshape", [f"{p}.corr3", flat], [f"{p}.corr"], f"{p}.unblock")
 
+    def row_group(self, x: str) -> str:
+        """The name prefix of the row blocks of the corrections whose input is ``x``: all of a graph's rows
+        have one row count (the decode graph's chunk instance overrides this for the rows after SelectRows)."""
+        return "shadow"
+
     def row_blocks(self, x: str) -> tuple[str, str]:
-        """How a chunk's corrections split its rows (once per graph): into B blocks of R = rows / B rows
-        (:func:`~llmc.runtime.kernels.shadow_blocks`). Returns the shapes ``[B, R, -1]`` and ``[1, R, 1]``
-        (which spreads a block's channels over its rows): constants at a fixed row count; at a symbolic
-        one, looked up by the row count of ``x`` (any ``[rows, ...]`` value of the graph, the first
-        correction's input)."""
-        if "shadow.blocks" not in self.made_once:
-            self.made_once.add("shadow.blocks")
+        """How a chunk's corrections split its rows (once per graph and row group): into B blocks of
+        R = rows / B rows (:func:`~llmc.runtime.kernels.shadow_blocks`). Returns the shapes ``[B, R, -1]``
+        and ``[1, R, 1]`` (which spreads a block's channels over its rows): constants at a fixed row count;
+        at a symbolic one, looked up by the row count of ``x`` (any ``[rows, ...]`` value of the group,
+        the first correction's input)."""
+        g = self.row_group(x)
+        if f"{g}.blocks" not in self.made_once:
+            self.made_once.add(f"{g}.blocks")
             if not self.dynamic:
                 b = shadow_blocks(self.rows)
-                self.const("shadow.blocks", np.array([b, self.rows // b, -1], np.int64))
-                self.const("shadow.spread", np.array([1, self.rows // b, 1], np.int64))
+                self.const(f"{g}.blocks", np.array([b, self.rows // b, -1], np.int64))
+                self.const(f"{g}.spread", np.array([1, self.rows // b, 1], np.int64))
             else:
-                table = self.const("shadow.block_counts", np.array([1] + [shadow_blocks(r) for r in range(1, self.rows + 1)], np.int64))
-                one, minus_one = self.const("shadow.one", np.array([1], np.int64)), self.const("shadow.minus_one", np.array([-1], np.int64))
-                self.add("Shape", [x], ["shadow.rows"], "shadow.rows", start=0, end=1)
-                self.add("Gather", [table, "shadow.rows"], ["shadow.b"], "shadow.b", axis=0)
-                self.add("Div", ["shadow.rows", "shadow.b"], ["shadow.r"], "shadow.r")
-                self.add("Concat", ["shadow.b", "shadow.r", minus_one], ["shadow.blocks"], "shadow.blocks", axis=0)
-                self.add("Concat", [one, "shadow.r", one], ["shadow.spread"], "shadow.spread", axis=0)
-        return "shadow.blocks", "shadow.spread"
+                table = self.const(f"{g}.block_counts", np.array([1] + [shadow_blocks(r) for r in range(1, self.rows + 1)], np.int64))
+                one, minus_one = self.const(f"{g}.one", np.array([1], np.int64)), self.const(f"{g}.minus_one", np.array([-1], np.int64))
+                self.add("Shape", [x], [f"{g}.rows"], f"{g}.rows", start=0, end=1)
+                self.add("Gather", [table, f"{g}.rows"], [f"{g}.b"], f"{g}.b", axis=0)
+                self.add("Div", [f"{g}.rows", f"{g}.b"], [f"{g}.r"], f"{g}.r")
+                self.add("Concat", [f"{g}.b", f"{g}.r", minus_one], [f"{g}.blocks"], f"{g}.blocks", axis=0)
+                self.add("Concat", [one, f"{g}.r", one], [f"{g}.spread"], f"{g}.spread", axis=0)
+        return f"{g}.blocks", f"{g}.spread"
 
     def value_info(self, name: str):
 
@@ -455,15 +462,18 @@ def packed_qkv(attn: Node) -> str | None:
 
 
 class _DecodeBuilder(_Builder):
-    """The model after its embedding at one row (:class:`~llmc.analyses.DecodeGraph`): the static
+    """The model after its embedding at one row, or a chunk (:class:`~llmc.analyses.DecodeGraph`): the static
     ops as :class:`_Builder` lowers them, and the dynamic ones as ONNX ops, attention as
     ``GroupQueryAttention`` over caches that are graph inputs and outputs (``past_key.L`` /
     ``present_key.L`` ``[1, kv heads, max_context, head dim]``, bound to the same memory by
     the runtime), with the token's cache length as ``seqlens_k`` (``[1]``, int32) and
-    ``total_len`` (scalar, int32 = seqlens_k + 1)."""
+    ``total_len`` (scalar, int32 = seqlens_k + 1). At ``rows`` > 1 the chunk instance
+    (any row count up to ``rows``): ``seqlens_k`` is the cache length after the chunk
+    minus one, ``SelectRows`` gathers the rows named by ``logit_rows`` (``[k]``, int64),
+    and the corrections after it split those k rows into their own blocks."""
 
-    def __init__(self, graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str, Any]], fed: frozenset[str]) -> None:
-        super().__init__(graph, dg.subgraph, 1, weights, fed)
+    def __init__(self, graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str, Any]], fed: frozenset[str], rows: int = 1) -> None:
+        super().__init__(graph, dg.subgraph, rows, weights, fed)
         from onnx import TensorProto
 
         from llmc.runtime import kernels
@@ -477,6 +487,9 @@ class _DecodeBuilder(_Builder):
         self.const("rotary.sin_cache", np.ascontiguousarray(sin[:, :half]))
         vi = self.helper.make_tensor_value_info
         self.extra_inputs += [vi(DECODE_SEQLENS, TensorProto.INT32, [1]), vi(DECODE_TOTAL, TensorProto.INT32, [])]
+        if rows > 1:  # a chunk: the rows that need logits (SelectRows)
+            self.extra_inputs.append(vi(DECODE_LOGIT_ROWS, TensorProto.INT64, [DECODE_LOGIT_ROWS]))
+            self.selected = {v.name for v in _after_select(graph, dg.subgraph)}
         int8 = {n.attrs["layer"] for n in graph.find("Attention") if "k_scale" in n.weights}  # quantize_kv_cache
         for layer, kv, d in dg.layers:
             shape, names = [1, kv, dg.capacity, d], _kv_names(layer)
@@ -489,8 +502,10 @@ class _DecodeBuilder(_Builder):
         y = [v.name for v in n.outputs]
         if n.op == "Attention":
             self.attention(n, x, y)
-        elif n.op == "SelectRows":
+        elif n.op == "SelectRows" and self.rows == 1:
             self.add("Identity", x, y, n.name)  # the one row is the row that needs logits
+        elif n.op == "SelectRows":
+            self.add("Gather", [x[0], DECODE_LOGIT_ROWS], y, n.name, axis=0)
         elif n.op == "Slice" and self.drops(n.outputs[0]):
             pass  # read only by attention nodes that take the fused projection packed
         else:
@@ -514,10 +529,11 @@ class _DecodeBuilder(_Builder):
         layer's caches, a sliding window as its ``local_window_size`` (the same number: the tests check it against
         HF's Mistral and the numpy kernel past the window)."""
         a, p, kv = n.attrs, n.name, _kv_names(n.attrs["layer"])
-        s3 = self.const(f"{p}.shape3", np.array([1, 1, -1], np.int64))
         packed = self.packed(n)  # q, k and v are slices of one fused projection: the node takes it whole
         qkv = [packed] if packed is not None else x[:3]
-        for v in qkv:
+        hd, kvd = a["num_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"]
+        for v, width in zip(qkv, [hd + 2 * kvd] if packed is not None else [hd, kvd, kvd]):
+            s3 = self.const(f"{v}.shape3", np.array([1, -1, width], np.int64))
             self.add("Reshape", [v, s3], [f"{v}.bsd"], f"{v}.bsd")
         qkv = [f"{v}.bsd" for v in qkv]
         rotary = ["rotary.cos_cache", "rotary.sin_cache"] if self.node_rotates(n) else []
@@ -541,7 +557,16 @@ class _DecodeBuilder(_Builder):
             ins += [""] * (12 - len(ins)) + scales
             attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
         self.add("GroupQueryAttention", ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=MS_DOMAIN, **attrs)
-        self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([1, -1], np.int64))], y, f"{p}.rows")
+        self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([-1, hd], np.int64))], y, f"{p}.rows")
+
+    def row_group(self, x: str) -> str:
+        return "shadow.selected" if self.rows > 1 and x in self.selected else "shadow"
+
+    def value_info(self, name: str):
+        if self.rows > 1 and name in self.selected:  # after SelectRows: one row per logit row
+            v = self.values[name]
+            return self.helper.make_tensor_value_info(name, _NP_TO_ONNX[v.dtype], [DECODE_LOGIT_ROWS, *v.shape[1:]])
+        return super().value_info(name)
 
     def position_ids(self) -> str:
         """The token's position ``[1, 1]`` (int64), from the cache length; made once per graph."""
@@ -551,6 +576,20 @@ class _DecodeBuilder(_Builder):
             self.add("Cast", [DECODE_SEQLENS], ["decode.position"], "decode.position", to=7)
             self.add("Reshape", ["decode.position", self.const(f"{out}.shape", np.array([1, 1], np.int64))], [out], out)
         return out
+
+
+def _after_select(graph: Graph, sub: Subgraph) -> list[Value]:
+    """The values of ``sub`` computed from a ``SelectRows`` (they have one row per selected row)."""
+    members = set(sub.nodes)
+    out: dict[str, Value] = {}
+    todo = [v for n in graph.find("SelectRows") if n.name in members for v in n.outputs]
+    while todo:
+        v = todo.pop()
+        if v.name in out:
+            continue
+        out[v.name] = v
+        todo += [w for u, _ in v.uses if u.name in members for w in u.outputs]
+    return list(out.values())
 
 
 def _check(model, root: Path) -> None:
@@ -592,9 +631,12 @@ def emit_decode_graph(graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str
 
     Its manifest entry also lists the graph's cache-length inputs and, per layer,
     the names of its past and present K/V (``"kv"``)."""
-    entry = _write(graph, dg.subgraph, [_DecodeBuilder(graph, dg, weights, fed)], weights, root, "cpu", frozenset(), fed)
+    builders = [_DecodeBuilder(graph, dg, weights, fed, rows) for rows in dg.subgraph.row_counts]
+    entry = _write(graph, dg.subgraph, builders, weights, root, "cpu", frozenset(), fed)
     entry["kv"] = [{"layer": layer, **_kv_names(layer)} for layer, _, _ in dg.layers]
     entry["seqlens"], entry["total_len"] = DECODE_SEQLENS, DECODE_TOTAL
+    if len(builders) > 1:
+        entry["logit_rows"] = DECODE_LOGIT_ROWS
     return {dg.subgraph.name: entry}
 
 

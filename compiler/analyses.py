@@ -85,6 +85,9 @@ class DecodeGraph:
     node ``rotary``), so the graph reads no positions: a token's position is the
     cache length the runtime passes. ``layers`` lists each attention layer with its
     (kv heads, head dim): the caches ``[1, kv heads, capacity, head dim]`` it binds.
+    With ``subgraph.row_counts == (1, C)`` (``dynamic_rows``) there is also an instance
+    at any row count up to C, for prefill: a chunk's rows attend over the positions
+    before them, and row selection gathers the rows a graph input names.
     """
 
     subgraph: Subgraph
@@ -312,10 +315,18 @@ class Schedule:
     in_order: Timeline
     out_of_order: Timeline
     decode_s: float  # predicted seconds per decoded token
-    head_s: float  # after the timeline: the LM head on the last prompt token, or the decode graph's steps (the last token and a tail)
+    head_s: float  # after the timeline: the LM head on the last prompt token, or the decode graph's steps (the last token and a tail); 0 with chunk_graph_s
     # prefill through the CPU program (fuse_cpu_decode at chunk rows), which the runtime runs instead of the
     # timelines' chunk program when the CPU runs every prefill graph; None when it does not apply
     cpu_program_s: float | None = None
+    # prefill as one call of the decode graph's chunk instance per chunk (fuse_decode_graph), which the runtime runs
+    # instead of either program when it has one and the CPU runs prefill and decode; the last row's head included
+    chunk_graph_s: float | None = None
+
+    @property
+    def prefill_program(self) -> str:
+        """What the runtime prefills with: ``"graph"`` (the decode graph's chunk instance), ``"cpu"`` (the CPU program) or ``"chunk"``."""
+        return "graph" if self.chunk_graph_s is not None else "cpu" if self.cpu_program_s is not None else "chunk"
 
     @property
     def chosen(self) -> Timeline:
@@ -324,6 +335,8 @@ class Schedule:
 
     @property
     def prefill_s(self) -> float:
+        if self.chunk_graph_s is not None:
+            return self.chunk_graph_s + self.head_s
         return (self.cpu_program_s if self.cpu_program_s is not None else self.chosen.makespan_s) + self.head_s
 
 

@@ -668,7 +668,7 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
 @click.option("--json", "as_json", is_flag=True)
 @_guard
 def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch, as_json):
-    """Time a BUNDLE: TTFT, prefill and decode tokens/s (median and spread), peak RSS, what ran decode, the KV cache,
+    """Time a BUNDLE: TTFT, prefill and decode tokens/s (median and spread), peak RSS, what ran prefill and decode, the KV cache,
     and for W8A8 bundles which int8 kernels ran."""
     import dataclasses
 
@@ -685,6 +685,7 @@ def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch
     for label, f, unit in (("TTFT", r.ttft_s, "s"), ("prefill", r.prefill_tok_s, "tok/s"), ("decode", r.decode_tok_s, "tok/s")):
         click.echo(f"  {label:<8} {f.median:10.3f} {unit:<6} ({f.min:.3f}..{f.max:.3f})")
     click.echo(f"  peak RSS {r.peak_rss_mb:10.0f} MB")
+    click.echo(f"  prefill  {_PREFILL_PATHS[r.prefill_path]}")
     click.echo(f"  decode   {_DECODE_PATHS[r.decode_path]}")
     click.echo(f"  kv cache {r.kv_cache}, {r.kv_cache_bytes / 1e6:.1f} MB for {sess.max_context} positions")
     if r.int8_kernels:
@@ -699,6 +700,9 @@ def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch
 
 _INT8_KERNELS = {"u8s8": "uint8 x int8 weights (exact on this CPU: x86 with VNNI, or not x86)",
                  "u8u8": "uint8 x uint8 weights (the exact kernels where u8 x s8 saturates, and for weights fed at run time)"}
+_PREFILL_PATHS = {"graph": "one call of the decode graph's chunk instance per chunk",
+                  "cpu program": "the CPU program at chunk rows: a graph and an attention call per layer",
+                  "chunk program": "the chunk program in its compiled order"}
 _DECODE_PATHS = {"graph": "one call of the decode graph per token", "cpu program": "the CPU program: a graph and an attention call per layer",
                  "chunk program": "the chunk program's one-row instances"}
 

@@ -495,7 +495,7 @@ def predictions(ctx: PassContext) -> dict[str, Any] | None:
         "prefill_s": s.prefill_s,
         "prefill_tok_s": s.prompt_len / s.prefill_s if s.prefill_s > 0 else 0.0,
         "prefill_in_order_s": s.in_order.makespan_s + s.head_s,
-        "prefill_program": "cpu" if s.cpu_program_s is not None else "chunk",
+        "prefill_program": s.prefill_program,
         "prefill_out_of_order_s": s.out_of_order.makespan_s + s.head_s,
         "npu_bubble_rate_in_order": s.in_order.npu_bubble_rate,
         "npu_bubble_rate_out_of_order": s.out_of_order.npu_bubble_rate,

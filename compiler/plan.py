@@ -120,7 +120,7 @@ class PlanResult:
                 "in_order_s": s.in_order.makespan_s + s.head_s, "out_of_order_s": s.out_of_order.makespan_s + s.head_s,
                 "npu_bubble_rate_in_order": s.in_order.npu_bubble_rate, "npu_bubble_rate_out_of_order": s.out_of_order.npu_bubble_rate,
                 "npu_busy_s": s.chosen.npu_busy_s, "cpu_busy_s": s.chosen.cpu_busy_s,
-                "policy": "cpu program" if s.cpu_program_s is not None else s.chosen.policy,
+                "policy": {"graph": "chunk graph", "cpu": "cpu program"}.get(s.prefill_program, s.chosen.policy),
             },
             "decode": {"s_per_token": 1.0 / self.decode_tok_s, "tok_s": self.decode_tok_s},
             "placement": {ph: {"npu": sum(1 for p in getattr(pl, ph).values() if p == "npu"), "cpu": sum(1 for p in getattr(pl, ph).values() if p == "cpu")}

@@ -26,6 +26,11 @@ program has chunk-row instances, the runtime prefills through that program
 instead (chunk after chunk); ``Schedule.cpu_program_s`` prices it and
 ``prefill_s`` uses it. The timelines still describe the chunk program.
 
+When the decode graph also has a chunk instance and the CPU runs both phases,
+the runtime prefills with it, one call per chunk (the last chunk at its own
+length, its last row scored inside): ``Schedule.chunk_graph_s`` prices that and
+``prefill_s`` uses it. Otherwise:
+
 When decode runs the one-graph decode (``fuse_decode_graph``, the placement
 keeping decode on the CPU), the runtime ends prefill in it as ``Session.prefill``
 does: a tail of up to C / ``TAIL_DIVISOR`` tokens after the last whole chunk and
@@ -185,7 +190,9 @@ class ScheduleSteps(Pass):
         dp = cm.decode_plan
         cpu_program = dp is not None and one_processor and all(c in sub.row_counts for sub in dp.subgraphs)  # prefills, as the runtime
         exact = exact_chunks(dp if cpu_program else plan)
-        in_graph = tokens_in_graph(tokens, c, one_processor, exact) if decode_on_cpu and cm.decode_graph is not None else 0
+        # the decode graph's chunk instance prefills when the CPU runs both phases, as Session.prefill
+        chunk_graph = decode_on_cpu and one_processor and cm.decode_graph is not None and len(cm.decode_graph.subgraph.row_counts) > 1
+        in_graph = tokens_in_graph(tokens, c, one_processor, exact) if decode_on_cpu and cm.decode_graph is not None and not chunk_graph else 0
         chunked = tokens - in_graph  # prompt tokens in chunks
         k_prompt = math.ceil(chunked / c)
         k_max = math.ceil(plan.max_context / c)
@@ -201,7 +208,9 @@ class ScheduleSteps(Pass):
             if k == k_prompt:
                 report = (ino, ooo)
         heads = sorted(head_steps(graph, plan))
-        if in_graph:  # the decode graph scores the last token, after the tail
+        if chunk_graph:  # its last chunk scores the last token
+            head_s = 0.0
+        elif in_graph:  # the decode graph scores the last token, after the tail
             head_s = sum(cm.decode_graph_seconds(chunked + i + 1) for i in range(in_graph))
         else:
             head_s = _chain_seconds(cm, placement, [plan.steps[j] for j in heads], "prefill", tokens)
@@ -218,10 +227,14 @@ class ScheduleSteps(Pass):
             body = [s for j, s in enumerate(dp.steps) if j not in tail]
             rows = [min(c, chunked - i * c) for i in range(k_prompt)]  # real rows of each chunk
             cpu_program_s = sum(cm.step_seconds(s, n if exact else c, n, i * c + n, "cpu") for i, n in enumerate(rows) for s in body)
+        chunk_graph_s = None
+        if chunk_graph:
+            rows = [min(c, tokens - i * c) for i in range(k_prompt)]
+            chunk_graph_s = sum(cm.chunk_graph_seconds(n, i * c + n, int(i == k_prompt - 1)) for i, n in enumerate(rows))
         ino, ooo = report
         log.info("schedule (%s, %d tokens): in-order %.1f ms (NPU bubbles %.0f%%), out-of-order %.1f ms (%.0f%%); decode %.2f ms/token",
                  cm.profile.name, tokens, ino.makespan_s * 1e3, ino.npu_bubble_rate * 100, ooo.makespan_s * 1e3, ooo.npu_bubble_rate * 100, decode_s * 1e3)
-        ctx.put(Schedule(tokens, orders, ino, ooo, decode_s, head_s, cpu_program_s))
+        ctx.put(Schedule(tokens, orders, ino, ooo, decode_s, head_s, cpu_program_s, chunk_graph_s))
         return PassResult(False)
 
 

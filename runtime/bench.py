@@ -42,6 +42,7 @@ class BenchResult:
     kv_cache: str = ""  # the KV cache's element type: "float32", or "int8" (--kv-cache int8)
     kv_cache_bytes: int = 0  # allocated for the bundle's max context
     int8_kernels: str | None = None  # Session.int8_kernels: "u8s8", "u8u8", or None without W8A8 weights
+    prefill_path: str = ""  # Session.prefill_path: what ran the prompt's chunks
 
 
 def prompt_ids(session: Session, n: int, seed: int = 0) -> list[int]:
@@ -75,6 +76,7 @@ def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat:
         offload_figures(session),
         *_kv_cache(session),
         session.int8_kernels,
+        prefill_path=session.prefill_path,
     )
 
 

@@ -159,8 +159,10 @@ def test_cpu_prefill_runs_the_cpu_program(npu_bundle, model_dirs, calib_words, m
     g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_words))
     _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
     ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
-    s = Session(npu_bundle, "cpu")
-    assert s._cpu_prefill and not s.counts_outliers
+    s = Session(npu_bundle, "cpu", lazy=True)
+    s._chunk_graph = False  # as a bundle whose decode graph has no chunk instance (an int8 KV cache; older bundles)
+    s.warmup()
+    assert s._cpu_prefill and s.prefill_path == "cpu program" and not s.counts_outliers
     assert {g for g, _, _ in s._sessions} == s._decode_graphs | {"decode_model"}  # warmup made no chunk-program session
     ran = []
     real_run_graph = s._run_graph
@@ -187,11 +189,11 @@ def test_cpu_prefill_runs_the_cpu_program(npu_bundle, model_dirs, calib_words, m
     copy = tmp_path / "one-row-cpu-program"
     shutil.copytree(npu_bundle, copy)
     m = json.loads((copy / "manifest.json").read_text())
-    for st in m["decode_program"]:  # as bundles before the chunk-row instances were
-        if st["kind"] == "graph":
-            inst = m["graphs"][st["name"]]["instances"].pop(str(CHUNK))
-            del m["files"][inst["file"]]
-            (copy / inst["file"]).unlink()
+    for name in [st["name"] for st in m["decode_program"] if st["kind"] == "graph"] + [m["decode_graph"]]:  # as bundles before the chunk-row instances were
+        inst = m["graphs"][name]["instances"].pop(str(CHUNK))
+        del m["files"][inst["file"]]
+        (copy / inst["file"]).unlink()
+    del m["graphs"][m["decode_graph"]]["logit_rows"]
     write_manifest(copy, m)
     old = Session(copy, "cpu")
     assert not old._cpu_prefill and old._decode_program is not None and old.counts_outliers
@@ -215,7 +217,9 @@ def test_plain_w8a8_gets_a_cpu_program_at_any_row_count(model_dirs, calib_words,
     assert all(m["graphs"][st["name"]]["instances"][str(CHUNK)].get("dynamic") for st in m["decode_program"] if st["kind"] == "graph")
     assert not any(m["graphs"][st["name"]]["instances"][str(CHUNK)].get("dynamic") for st in m["program"] if st["kind"] == "graph")
     ids = [int(t) for t in np.random.default_rng(5).integers(4, 120, size=2 * CHUNK + 3)]
-    s = Session(out, "cpu")
+    s = Session(out, "cpu", lazy=True)
+    s._chunk_graph = False  # the CPU program's prefill (the decode graph's chunk instance is tested in test_fuse_decode_graph)
+    s.warmup()
     assert s._cpu_prefill and s._exact_chunks
     ran = []
     real_run_graph = s._run_graph

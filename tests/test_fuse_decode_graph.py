@@ -58,7 +58,7 @@ def test_decode_graph_lowering(bundles):
     m = json.loads((b / "manifest.json").read_text())
     entry = m["graphs"][m["decode_graph"]]
     layers = sum(1 for s in m["program"] if s.get("op") == "Attention")
-    assert len(entry["kv"]) == layers and set(entry["instances"]) == {"1"}
+    assert len(entry["kv"]) == layers and set(entry["instances"]) == {"1", str(CHUNK)} and entry["instances"][str(CHUNK)]["dynamic"]
     model = onnx.load(b / entry["instances"]["1"]["file"], load_external_data=False)
     ops = [n.op_type for n in model.graph.node]
     gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
@@ -71,6 +71,14 @@ def test_decode_graph_lowering(bundles):
     for kv in entry["kv"]:
         assert ins[kv["past_key"]] == outs[kv["present_key"]] and ins[kv["past_key"]][2] == MAX_CONTEXT
     assert {s["name"] for s in m["program"] if s["kind"] == "graph"} <= set(m["graphs"])
+    # the chunk instance: the same nodes at any row count up to C, SelectRows a Gather of the rows that need logits
+    chunk = onnx.load(b / entry["instances"][str(CHUNK)]["file"], load_external_data=False)
+    assert [n.op_type for n in chunk.graph.node if n.op_type == "GroupQueryAttention"] == ["GroupQueryAttention"] * layers
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in list(chunk.graph.input) + list(chunk.graph.output)}
+    assert dims[emb["outputs"][0]] == ["rows", m["model"]["hidden_size"]] and dims[entry["logit_rows"]] == [entry["logit_rows"]]
+    assert dims[m["io"]["logits"]] == [entry["logit_rows"], m["model"]["vocab_size"]]
+    (select,) = [n for n in chunk.graph.node if entry["logit_rows"] in n.input]
+    assert select.op_type == "Gather"
 
 
 def test_rotation_outside_the_node_and_the_sliding_window(bundles):
@@ -161,7 +169,9 @@ def test_prefill_ends_in_the_decode_graph(c32_bundle, model_dirs, monkeypatch, n
     out = c32_bundle
     ids = _ids(n, seed=n)
     ref = hf_logits(model_dirs("llama"), ids)
-    s = Session(out, "cpu")
+    s = Session(out, "cpu", lazy=True)
+    s._chunk_graph = False  # as a decode graph without a chunk instance (no rotation in the node, a sliding window, an int8 cache)
+    s.warmup()
     assert s._exact_chunks
     if not exact:  # pad the last chunk to C, as programs with fixed shapes do
         monkeypatch.setattr(s, "_dynamic", lambda graph: False)
@@ -208,15 +218,17 @@ def test_token_ids_outside_the_vocabulary_are_named_errors(bundles):
 
 
 @pytest.mark.parametrize("n,chunks,steps", [(5, 1, 1), (257, 1, 1), (300, 2, 1)])
-def test_schedule_prices_prefill_ending_in_the_decode_graph(tmp_path, n, chunks, steps):
-    """The schedule mirrors Session.prefill (chunk 256, CPU placement): the timeline covers the chunked
-    tokens (the last chunk at its own length) and head_s the decode-graph step of the last token."""
+def test_schedule_prices_prefill_ending_in_the_decode_graph(tmp_path, monkeypatch, n, chunks, steps):
+    """The schedule mirrors Session.prefill (chunk 256, CPU placement) with a decode graph that has no chunk
+    instance: the timeline covers the chunked tokens (the last chunk at its own length) and head_s the
+    decode-graph step of the last token."""
     from conftest import plan_small
 
     from llmc.analyses import Schedule
-    from llmc.passes import DEFAULT_PIPELINES
+    from llmc.passes import DEFAULT_PIPELINES, fuse_decode_graph
     from llmc.passes.place import cost_model
 
+    monkeypatch.setattr(fuse_decode_graph, "why_not_chunks", lambda graph: "a model whose attention cannot take a chunk")
     g, ctx = plan_small(tmp_path, pipeline=DEFAULT_PIPELINES["plan-cpu"], target="cpu", prompt_len=n)
     s = ctx.get(Schedule)
     assert len({t.chunk for t in s.chosen.tasks}) == chunks
@@ -231,7 +243,7 @@ def test_npu_prefill_ends_in_the_graph_only_when_that_saves_a_chunk(c32_bundle, 
     from llmc.runtime import Session
 
     s = Session(c32_bundle, "cpu")
-    s._ends_in_graph = False  # as with the QNN provider and prefill on the NPU (fixed shapes)
+    s._ends_in_graph = s._chunk_graph = False  # as with the QNN provider and prefill on the NPU (fixed shapes)
     s._dynamic = lambda graph: False
     for n, in_graph in ((35, 3), (36, 0)):
         ids = _ids(n, seed=n)
@@ -289,15 +301,17 @@ def test_a_one_row_last_chunk_runs_on_the_chunk_instance(bundles, model_dirs, n)
     assert not any(rows == 1 and name != "decode_model" for name, rows, _ in s._sessions), sorted(s._sessions)
 
 
-def test_schedule_prices_the_last_chunk_at_its_own_rows(tmp_path):
+def test_schedule_prices_the_last_chunk_at_its_own_rows(tmp_path, monkeypatch):
     """A cpu bundle's graphs take the last chunk at its own length, and the schedule prices each of its
-    steps at those rows (300 tokens, chunk 256: the last token in the decode graph, a 43-row chunk)."""
+    steps at those rows (300 tokens, chunk 256, a decode graph without a chunk instance: the last token
+    in the decode graph, a 43-row chunk)."""
     from conftest import plan_small
 
     from llmc.analyses import ChunkPlan, Schedule
-    from llmc.passes import DEFAULT_PIPELINES
+    from llmc.passes import DEFAULT_PIPELINES, fuse_decode_graph
     from llmc.passes.place import cost_model
 
+    monkeypatch.setattr(fuse_decode_graph, "why_not_chunks", lambda graph: "a model whose attention cannot take a chunk")
     g, ctx = plan_small(tmp_path, pipeline=DEFAULT_PIPELINES["plan-cpu"], target="cpu", prompt_len=300)
     plan, cm = ctx.get(ChunkPlan), cost_model(g, ctx)
     assert all(s.dynamic_rows for s in plan.subgraphs)
@@ -305,3 +319,93 @@ def test_schedule_prices_the_last_chunk_at_its_own_rows(tmp_path):
     assert last
     for t in last:
         assert t.end - t.start == pytest.approx(cm.step_seconds(plan.steps[t.step], 43, 43, 256 + 43, "cpu"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+def test_prefill_is_one_call_of_the_chunk_instance_per_chunk(bundles, model_dirs, monkeypatch, family):
+    """With a chunk instance, prefill is one call of the decode graph per chunk of up to C tokens (the
+    last at its own length, scoring only its last row) and gives HF's logits; decode goes on from the
+    cache the chunks wrote; a second prompt continues after the cached positions, every row scored;
+    no other session is made (per-layer graphs, attention calls, one-row heads)."""
+    from llmc.runtime import Session
+
+    n = 2 * CHUNK + 3
+    ids = _ids(n + 4, seed=11)
+    ref = hf_logits(model_dirs(family), ids)
+    tol = 1e-4 * np.abs(ref).max()
+    s = Session(bundles(family), "cpu")
+    assert s.prefill_path == "graph" and {name for name, _, _ in s._sessions} == {"decode_model"}
+    runner, calls = s._chunk_graph_runner(), []
+    monkeypatch.setattr(s, "_chunk_runner", lambda x, p, rows: calls.append((p, x[0].shape[0], list(rows))) or runner(x, p, rows))
+    got = s.prefill(ids[:n])
+    assert calls == [(0, CHUNK, []), (CHUNK, CHUNK, []), (2 * CHUNK, 3, [2])] and s.position == n
+    np.testing.assert_allclose(got, ref[n - 1], atol=tol)
+    for i in range(n, n + 4):
+        np.testing.assert_allclose(s.decode(ids[i]), ref[i], atol=tol)
+    s.reset()
+    np.testing.assert_allclose(s.prefill(ids[:5], all_logits=True), ref[:5], atol=tol)
+    np.testing.assert_allclose(s.prefill(ids[5:n], all_logits=True), ref[5:n], atol=tol)
+    assert {name for name, _, _ in s._sessions} == {"decode_model"}
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma", "phi"])
+def test_no_chunk_instance_where_the_node_cannot_take_a_chunk(bundles, model_dirs, family):
+    """Only attention nodes that rotate q and k themselves, without a sliding window, prefill in the decode
+    graph: mistral (window 12), gemma (heads of 24) and phi (8 of 16 dims rotated) keep one instance and
+    prefill through the chunk program, still with HF's logits."""
+    from llmc.runtime import Session
+
+    m = json.loads((bundles(family) / "manifest.json").read_text())
+    assert set(m["graphs"][m["decode_graph"]]["instances"]) == {"1"} and "logit_rows" not in m["graphs"][m["decode_graph"]]
+    s = Session(bundles(family), "cpu")
+    assert s.decode_path == "graph" and s.prefill_path == "chunk program"
+    ids = _ids(CHUNK + 5, seed=4)
+    ref = hf_logits(model_dirs(family), ids)
+    np.testing.assert_allclose(s.prefill(ids), ref[-1], atol=1e-4 * np.abs(ref[-1]).max())
+
+
+def test_npu_bundle_chunk_instance_computes_the_cpu_program(model_dirs, calib_words, tmp_path):
+    """W8A8 with shadow corrections on the CPU: the chunk instance corrects a chunk in row blocks, and the
+    head's inputs at the rows SelectRows keeps in their own blocks, as the CPU program does, so every
+    row's logits are the CPU program's; the plan prices this prefill (``prefill_program`` "graph")."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    out = tmp_path / "npu"
+    compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, calib_file=str(calib_words), calib_tokens=256)
+    report = json.loads((out / "report.json").read_text())
+    assert report["predictions"]["prefill_program"] == "graph"
+    one = Session(out, "cpu")
+    program = Session(out, "cpu", lazy=True)
+    program._chunk_graph = False
+    program.warmup()
+    assert one.prefill_path == "graph" and program.prefill_path == "cpu program"
+    ids = _ids(2 * CHUNK + 5, seed=13)
+    a, b = one.prefill(ids, all_logits=True), program.prefill(ids, all_logits=True)
+    np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()))
+    one.reset()
+    np.testing.assert_allclose(one.prefill(ids), b[-1], atol=1e-4 * max(1.0, np.abs(b).max()))
+
+
+@pytest.mark.parametrize("n", [300, 1000])
+def test_schedule_prices_prefill_in_the_chunk_instance(tmp_path, n):
+    """With a chunk instance and the CPU running both phases the runtime prefills one decode-graph call per
+    chunk, the last at its own rows, scoring its last row inside: the schedule prices exactly that (no
+    decode step, no separate head), below the CPU program's per-layer calls; the head is priced at the
+    rows that need logits only."""
+    from conftest import plan_small
+
+    from llmc.analyses import DecodeGraph, Schedule
+    from llmc.passes import DEFAULT_PIPELINES
+    from llmc.passes.place import cost_model
+
+    g, ctx = plan_small(tmp_path, pipeline=DEFAULT_PIPELINES["plan-cpu"], target="cpu", prompt_len=n)
+    s, cm = ctx.get(Schedule), cost_model(g, ctx)
+    assert ctx.get(DecodeGraph).subgraph.row_counts == (1, 256) and s.prefill_program == "graph" and s.head_s == 0.0
+    rows = [min(256, n - i) for i in range(0, n, 256)]
+    want = sum(cm.chunk_graph_seconds(r, i * 256 + r, int(i == len(rows) - 1)) for i, r in enumerate(rows))
+    assert s.chunk_graph_s == pytest.approx(want) and s.prefill_s == pytest.approx(want)
+    assert cm.chunk_graph_seconds(256, 256, 0) < cm.chunk_graph_seconds(256, 256, 1) < cm.chunk_graph_seconds(256, 256, 256)
+    npu, npu_ctx = plan_small(tmp_path, placement="cpu", prompt_len=n)  # W8A8: the CPU program is priced too
+    s = npu_ctx.get(Schedule)
+    assert s.prefill_program == "graph" and s.chunk_graph_s < s.cpu_program_s

@@ -277,3 +277,16 @@ def test_int8_cache_switches_decode_to_all_threads_where_float32_does():
         attn(x, kv, kv, None, None, layer=0, start=0, n=1, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=0.25, rotary_dim=0, sliding_window=0)
         cutoffs.append(attn._one[0]._one_thread_len)
     assert cutoffs[0] == cutoffs[1] == ONE_THREAD_KV_BYTES // (2 * kvh * d * 4)
+
+
+def test_int8_cache_prefills_outside_the_decode_graph(int8_bundles):
+    """A decode graph over int8 caches gets no chunk instance (ONNX Runtime's int8-cache kernel is several times
+    slower for a chunk than attending over a dequantized copy, as the runtime's chunk attention does); the
+    float32 twin prefills in it."""
+    from llmc.runtime import Session
+
+    b = int8_bundles("llama")
+    for fmt, want in (("int8", {"1"}), ("float32", {"1", str(CHUNK)})):
+        m = json.loads((b[fmt] / "manifest.json").read_text())
+        assert set(m["graphs"][m["decode_graph"]]["instances"]) == want, fmt
+    assert Session(b["int8"], "cpu").prefill_path == "chunk program" and Session(b["float32"], "cpu").prefill_path == "graph"

@@ -67,7 +67,9 @@ def test_runtime_follows_an_out_of_order_schedule_exactly(tmp_path, model_dirs):
     ids = [int(t) for t in np.random.default_rng(3).integers(4, 120, size=3 * CHUNK + 5)]
     order = [tuple(t) for t in m["schedule"]["orders"]["4"]]
     assert [i for i, _ in order] != sorted(i for i, _ in order)
-    s = Session(out)
+    s = Session(out, lazy=True)
+    s._chunk_graph = False  # the order is the NPU's (QNN provider); on the CPU provider the decode graph's chunk instance prefills
+    s.warmup()
     seen = []
     run_step = s._run_step
 
@@ -83,13 +85,16 @@ def test_runtime_follows_an_out_of_order_schedule_exactly(tmp_path, model_dirs):
     np.testing.assert_allclose(got, hf_logits(model_dirs("llama"), ids), atol=2e-4, rtol=1e-4)
 
 
-def test_all_cpu_prefill_is_priced_on_the_cpu_program(tmp_path):
-    """With every prefill graph on the CPU the runtime prefills through fuse_cpu_decode's program at chunk
-    rows, so the prediction does too; with NPU graphs in the placement it stays the chunk timelines'."""
+def test_all_cpu_prefill_is_priced_on_the_cpu_program(tmp_path, monkeypatch):
+    """With every prefill graph on the CPU (and a decode graph without a chunk instance) the runtime
+    prefills through fuse_cpu_decode's program at chunk rows, so the prediction does too; with NPU graphs
+    in the placement it stays the chunk timelines'."""
     from conftest import plan_small
 
     from llmc.analyses import DecodePlan, Schedule
+    from llmc.passes import fuse_decode_graph
 
+    monkeypatch.setattr(fuse_decode_graph, "why_not_chunks", lambda graph: "a model whose attention cannot take a chunk")
     graph, ctx = plan_small(tmp_path, placement="cpu")
     s = ctx.get(Schedule)
     assert ctx.has(DecodePlan) and s.cpu_program_s is not None

@@ -90,7 +90,7 @@ def test_quantized_bundle_quality(smol_bundles):
     a = agreement(npu, cpu, prompts, new_tokens=16)
     assert a.teacher_forced >= 0.9, a
     chunked = Session(smol_bundles["npu"], lazy=True)  # the chunk program's Python corrections count the outliers they see
-    chunked._cpu_prefill = False
+    chunked._cpu_prefill = chunked._chunk_graph = False
     chunked.prefill(ids[:256])
     assert sum(chunked.outlier_counts.values()) > 0
     report = json.loads((smol_bundles["npu"] / "report.json").read_text())
