@@ -552,11 +552,18 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
     steps = summary["program"]
     click.echo(f"program    {len(steps)} steps per chunk: {' -> '.join(steps[:8])}{' -> ...' if len(steps) > 8 else ''}")
     dsteps = summary["decode_program"]
+    chunk_graph = False
     if summary["decode_graph"]:
         g = m["graphs"][summary["decode_graph"]]
         click.echo(f"decode     one call of {summary['decode_graph']} per token when the CPU decodes (fuse_decode_graph): {g['nodes']} nodes, "
                    f"attention over {len(g['kv'])} KV caches inside")
-    if dsteps and summary["decode_graph"]:
+        chunk_graph = g["instances"].get(str(m["chunk"]), {}).get("dynamic", False)
+        if chunk_graph:
+            click.echo(f"prefill    one call of {summary['decode_graph']} per chunk of up to {m['chunk']} tokens when the CPU runs both phases "
+                       f"(its chunk instance)")
+    if dsteps and chunk_graph:
+        click.echo(f"           else {len(dsteps)} steps per chunk when the CPU prefills (fuse_cpu_decode): {' -> '.join(dsteps[:6])} -> ...")
+    elif dsteps and summary["decode_graph"]:
         click.echo(f"prefill    {len(dsteps)} steps per chunk when the CPU prefills (fuse_cpu_decode): {' -> '.join(dsteps[:6])} -> ...")
     elif dsteps:
         click.echo(f"decode     {len(dsteps)} steps per token when the CPU decodes, per chunk when it prefills (fuse_cpu_decode): {' -> '.join(dsteps[:6])} -> ...")

@@ -257,12 +257,14 @@ def test_bench_json(bundles):
     r = invoke("bench", bundles("llama"), "--prompt-len", 20, "--new-tokens", 4, "--repeat", 2, "--json")
     assert r.exit_code == 0, r.output
     res = json.loads(r.output)
-    assert res["prompt_tokens"] == 20 and res["repeat"] == 2 and res["decode_path"] == "graph"
+    assert res["prompt_tokens"] == 20 and res["repeat"] == 2 and res["decode_path"] == res["prefill_path"] == "graph"
     assert res["kv_cache"] == "float32" and res["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 4 * 64  # K, V x layers x kv heads x head dim x 4 B x context
     assert res["int8_kernels"] is None  # a float bundle
     for k in ("ttft_s", "prefill_tok_s", "decode_tok_s"):
         f = res[k]
         assert f["min"] <= f["median"] <= f["max"] and f["median"] > 0
+    r = invoke("bench", bundles("llama"), "--prompt-len", 10, "--new-tokens", 2, "--repeat", 1)
+    assert r.exit_code == 0 and "prefill  one call of the decode graph's chunk instance per chunk" in r.output, r.output
     r = invoke("bench", bundles("llama"), "--prompt-len", 100)
     assert r.exit_code == 2 and "max context" in r.output
 
