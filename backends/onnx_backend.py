@@ -489,7 +489,7 @@ class _DecodeBuilder(_Builder):
         self.extra_inputs += [vi(DECODE_SEQLENS, TensorProto.INT32, [1]), vi(DECODE_TOTAL, TensorProto.INT32, [])]
         if rows > 1:  # a chunk: the rows that need logits (SelectRows)
             self.extra_inputs.append(vi(DECODE_LOGIT_ROWS, TensorProto.INT64, [DECODE_LOGIT_ROWS]))
-            self.selected = {v.name for v in _after_select(graph, dg.subgraph)}
+            self.selected = {v.name for n in graph.downstream("SelectRows", dg.subgraph.nodes) for v in n.outputs}
         int8 = {n.attrs["layer"] for n in graph.find("Attention") if "k_scale" in n.weights}  # quantize_kv_cache
         for layer, kv, d in dg.layers:
             shape, names = [1, kv, dg.capacity, d], _kv_names(layer)
@@ -524,7 +524,7 @@ class _DecodeBuilder(_Builder):
         return packed_qkv(attn) if self.node_rotates(attn) else None
 
     def attention(self, n: Node, x: list[str], y: list[str]) -> None:
-        """q/k/v ``[1, F]`` -> ``[1, 1, F]``; rotary embedding in the attention node, or (partial rotary, other
+        """q/k/v ``[rows, F]`` -> ``[1, rows, F]``; rotary embedding in the attention node, or (partial rotary, other
         head sizes) by ONNX ``RotaryEmbedding`` at the position ``seqlens_k``; ``GroupQueryAttention`` over the
         layer's caches, a sliding window as its ``local_window_size`` (the same number: the tests check it against
         HF's Mistral and the numpy kernel past the window)."""
@@ -576,20 +576,6 @@ class _DecodeBuilder(_Builder):
             self.add("Cast", [DECODE_SEQLENS], ["decode.position"], "decode.position", to=7)
             self.add("Reshape", ["decode.position", self.const(f"{out}.shape", np.array([1, 1], np.int64))], [out], out)
         return out
-
-
-def _after_select(graph: Graph, sub: Subgraph) -> list[Value]:
-    """The values of ``sub`` computed from a ``SelectRows`` (they have one row per selected row)."""
-    members = set(sub.nodes)
-    out: dict[str, Value] = {}
-    todo = [v for n in graph.find("SelectRows") if n.name in members for v in n.outputs]
-    while todo:
-        v = todo.pop()
-        if v.name in out:
-            continue
-        out[v.name] = v
-        todo += [w for u, _ in v.uses if u.name in members for w in u.outputs]
-    return list(out.values())
 
 
 def _check(model, root: Path) -> None:

@@ -315,12 +315,13 @@ class Schedule:
     in_order: Timeline
     out_of_order: Timeline
     decode_s: float  # predicted seconds per decoded token
-    head_s: float  # after the timeline: the LM head on the last prompt token, or the decode graph's steps (the last token and a tail); 0 with chunk_graph_s
+    head_s: float  # after the timeline: the LM head on the last prompt token, or the decode graph's steps (the last token and a tail)
     # prefill through the CPU program (fuse_cpu_decode at chunk rows), which the runtime runs instead of the
     # timelines' chunk program when the CPU runs every prefill graph; None when it does not apply
     cpu_program_s: float | None = None
     # prefill as one call of the decode graph's chunk instance per chunk (fuse_decode_graph), which the runtime runs
     # instead of either program when it has one and the CPU runs prefill and decode; the last row's head included
+    # (prefill_s is this alone; the timelines and head_s still describe the chunk program)
     chunk_graph_s: float | None = None
 
     @property
@@ -336,7 +337,7 @@ class Schedule:
     @property
     def prefill_s(self) -> float:
         if self.chunk_graph_s is not None:
-            return self.chunk_graph_s + self.head_s
+            return self.chunk_graph_s  # the head's row is scored inside
         return (self.cpu_program_s if self.cpu_program_s is not None else self.chosen.makespan_s) + self.head_s
 
 

@@ -110,31 +110,20 @@ class CostModel:
     def chunk_graph_seconds(self, n: int, keys: int, logit_rows: int) -> float | None:
         """One chunk of ``n`` rows through the decode graph's chunk instance (``fuse_decode_graph``), or None
         without one: one launch, the kernels' fixed costs and every node, attention over ``keys`` keys
-        included; the nodes after ``SelectRows`` at ``logit_rows`` rows (none: not run)."""
+        included; the nodes after ``SelectRows`` at ``logit_rows`` rows (none: only their kernels' fixed
+        costs, as they still launch on zero rows)."""
         dg = self.decode_graph
         if dg is None or len(dg.subgraph.row_counts) < 2:
             return None
-        heads = self._after_select(dg.subgraph)
+        heads = {node.name for node in self.graph.downstream("SelectRows", dg.subgraph.nodes)}
         t = self.profile["cpu.launch_s"]
         for name in dg.subgraph.nodes:
             rows = logit_rows if name in heads else n
+            node = self._nodes[name]
+            t += self.profile.get("cpu.node_s", 0.0) * _kernels(node, max(rows, 1))
             if rows:
-                node = self._nodes[name]
-                t += self.profile.get("cpu.node_s", 0.0) * _kernels(node, rows) + self.node_seconds(node, rows, rows, keys, "cpu")
+                t += self.node_seconds(node, rows, rows, keys, "cpu")
         return t
-
-    def _after_select(self, sub: Subgraph) -> set[str]:
-        """The nodes of ``sub`` downstream of its ``SelectRows`` (the LM head), the SelectRows included."""
-        members = set(sub.nodes)
-        out: set[str] = set()
-        todo = [name for name in sub.nodes if self._nodes[name].op == "SelectRows"]
-        while todo:
-            name = todo.pop()
-            if name in out:
-                continue
-            out.add(name)
-            todo += [u.name for v in self._nodes[name].outputs for u, _ in v.uses if u.name in members]
-        return out
 
     @functools.cached_property
     def _nodes(self) -> dict[str, Node]:

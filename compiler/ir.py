@@ -235,6 +235,20 @@ class Graph:
     def find(self, op: str) -> list[Node]:
         return [n for n in self._nodes if n.op == op]
 
+    def downstream(self, op: str, within: Iterable[str] | None = None) -> list[Node]:
+        """The nodes of type ``op`` and every node computed from them, in graph order; with ``within``
+        (node names) only those nodes, the path followed through them alone."""
+        keep = None if within is None else set(within)
+        reached: set[str] = set()
+        out = []
+        for n in self._nodes:
+            if keep is not None and n.name not in keep:
+                continue
+            if n.op == op or any(v.producer is not None and v.producer.name in reached for v in n.inputs):
+                reached.add(n.name)
+                out.append(n)
+        return out
+
     def node(self, name: str) -> Node:
         for n in self._nodes:
             if n.name == name:

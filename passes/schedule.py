@@ -29,7 +29,8 @@ instead (chunk after chunk); ``Schedule.cpu_program_s`` prices it and
 When the decode graph also has a chunk instance and the CPU runs both phases,
 the runtime prefills with it, one call per chunk (the last chunk at its own
 length, its last row scored inside): ``Schedule.chunk_graph_s`` prices that and
-``prefill_s`` uses it. Otherwise:
+``prefill_s`` is it (the timelines and ``head_s`` keep describing the chunk
+program, with its head after the last chunk). Otherwise:
 
 When decode runs the one-graph decode (``fuse_decode_graph``, the placement
 keeping decode on the CPU), the runtime ends prefill in it as ``Session.prefill``
@@ -208,9 +209,7 @@ class ScheduleSteps(Pass):
             if k == k_prompt:
                 report = (ino, ooo)
         heads = sorted(head_steps(graph, plan))
-        if chunk_graph:  # its last chunk scores the last token
-            head_s = 0.0
-        elif in_graph:  # the decode graph scores the last token, after the tail
+        if in_graph:  # the decode graph scores the last token, after the tail
             head_s = sum(cm.decode_graph_seconds(chunked + i + 1) for i in range(in_graph))
         else:
             head_s = _chain_seconds(cm, placement, [plan.steps[j] for j in heads], "prefill", tokens)

@@ -1,8 +1,9 @@
 """Decode as one ONNX Runtime call per token (the bundle's ``decode_graph``, from ``fuse_decode_graph``),
 and prefill as one call per chunk where the graph has a chunk instance (:class:`ChunkGraphRunner`).
 
-The graph holds the model after its embedding at one row, attention included.
-Everything is bound once: each layer's K and V cache arrays as both the past
+The graph holds the model after its embedding, attention included; its one-row
+instance decodes. For it (:class:`DecodeGraphRunner`)
+everything is bound once: each layer's K and V cache arrays as both the past
 input and the present output (ONNX Runtime's ``GroupQueryAttention`` then
 appends the token's row in place), the graph's inputs (the token's embedding
 row, which the session gathers), the two cache lengths and the logits buffer. A

@@ -227,7 +227,8 @@ class Session:
         self._decode_graphs = {st["name"] for st in cpu_program if st["kind"] == "graph"}
         # Prefill runs the same program at chunk rows when the CPU runs every prefill graph (the CPU provider, or a
         # placement that keeps prefill off the NPU) and its graphs have those instances (bundles before them do not);
-        # otherwise the chunk program, whose quantized graphs run on the HTP.
+        # otherwise the chunk program, whose quantized graphs run on the HTP. (The decode graph's chunk instance,
+        # below, takes precedence over both.)
         self._cpu_prefill = (self._decode_program is not None and self._on_cpu("prefill")
                              and all(str(self.chunk) in self.graphs[n]["instances"] for n in self._decode_graphs))
         # Decode as one graph call per token (fuse_decode_graph) when the CPU runs decode
@@ -241,8 +242,9 @@ class Session:
         self._chunk_graph = (self._decode_graph is not None and self._on_cpu("prefill")
                              and self.graphs[self._decode_graph]["instances"].get(str(self.chunk), {}).get("dynamic", False))
         self._chunk_runner: ChunkGraphRunner | None = None
-        # With a decode graph, prefill ends in it: always when the CPU prefills too (one step instead of the head, and
-        # no one-row head session), else only when that saves a chunk (on the NPU a CPU step costs more than the head).
+        # Without that chunk instance, prefill ends in the decode graph: always when the CPU prefills too (one step
+        # instead of the head, and no one-row head session), else only when that saves a chunk (on the NPU a CPU step
+        # costs more than the head).
         self._ends_in_graph = self._decode_graph is not None and self._on_cpu("prefill")
         # the head graphs (after SelectRows), and those prefill's last-token logits run at one row: the CPU program's
         # when it prefills, else the chunk program's; none when the decode graph always scores the last token
@@ -494,8 +496,8 @@ class Session:
         """The phase in which this session runs graph instance (``name``, ``rows``), or None if it never does."""
         if self._chunk_graph:  # the decode graph runs both phases
             return None if name != self._decode_graph else "decode" if rows == 1 else "prefill"
-        if name == self.manifest.get("decode_graph"):
-            return "decode" if name == self._decode_graph else None
+        if name == self.manifest.get("decode_graph"):  # its chunk instance only prefills with _chunk_graph (above)
+            return "decode" if name == self._decode_graph and rows == 1 else None
         if rows == 1 and self._decode_graph is not None and name not in self._one_row_heads and (self.chunk > 1 or name in self._heads):
             return None  # decode is the one graph (with --chunk 1 the other one-row instances are prefill's)
         if name in self._decode_graphs:  # the CPU program: decode, and prefill on the CPU
@@ -719,12 +721,15 @@ class Session:
         """Feed ``ids`` after what is already in the cache; return logits.
 
         Returns the last token's logits ``[vocab]``, or with ``all_logits`` the
-        logits of every fed position ``[len(ids), vocab]``. The last chunk runs at
-        its own length when the prefill program's graphs take any row count up to
-        C (``_exact_chunks``), else padded to C. With a decode graph the last token
-        goes through it when the CPU also prefills (no one-row head session), and
-        where the last chunk would be padded, a tail of up to C / ``TAIL_DIVISOR``
-        tokens after the last whole chunk does too (instead of a mostly padded chunk).
+        logits of every fed position ``[len(ids), vocab]``. When the decode graph
+        has a chunk instance and the CPU runs both phases, each chunk is one call of
+        it (``_prefill_graph``; the last chunk at its own length, scoring its last
+        row). Otherwise the last chunk runs at its own length when the prefill
+        program's graphs take any row count up to C (``_exact_chunks``), else padded
+        to C; with a decode graph the last token goes through it when the CPU also
+        prefills (no one-row head session), and where the last chunk would be
+        padded, a tail of up to C / ``TAIL_DIVISOR`` tokens after the last whole
+        chunk does too (instead of a mostly padded chunk).
         """
         ids = np.asarray(ids, dtype=np.int64)
         if not len(ids):

@@ -268,6 +268,7 @@ def test_npu_prefill_keeps_the_one_row_head_warm(c32_bundle, monkeypatch):
     assert s._decode_graph and not s._ends_in_graph
     before = set(s._sessions)
     assert ("head", 1, False) in before and ("decode_model", 1, False) in before
+    assert ("decode_model", 32, False) not in before  # the chunk instance prefills only when the CPU runs both phases
     s.prefill(_ids(36))  # the last chunk holds 4 tokens: the head scores it
     assert set(s._sessions) == before
 
@@ -280,6 +281,14 @@ def test_only_the_decode_graph_session_spins(bundles):
     spinning = {name for (name, _, _), (sess, _) in s._sessions.items()
                 if sess.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "1"}
     assert spinning == {"decode_model"} and len(s._sessions) > 1
+    # the chunk instance stops spinning when a call returns, so it takes no core from the decode that follows
+    def stops(sess) -> bool:
+        try:
+            return sess.get_session_options().get_session_config_entry("session.force_spinning_stop") == "1"
+        except RuntimeError:  # not set
+            return False
+
+    assert {rows for (_, rows, _), (sess, _) in s._sessions.items() if stops(sess)} == {CHUNK}
 
 
 @pytest.mark.parametrize("n", [2, 10])
@@ -401,7 +410,8 @@ def test_schedule_prices_prefill_in_the_chunk_instance(tmp_path, n):
 
     g, ctx = plan_small(tmp_path, pipeline=DEFAULT_PIPELINES["plan-cpu"], target="cpu", prompt_len=n)
     s, cm = ctx.get(Schedule), cost_model(g, ctx)
-    assert ctx.get(DecodeGraph).subgraph.row_counts == (1, 256) and s.prefill_program == "graph" and s.head_s == 0.0
+    assert ctx.get(DecodeGraph).subgraph.row_counts == (1, 256) and s.prefill_program == "graph"
+    assert s.head_s > 0 and {t.chunk for t in s.chosen.tasks} == set(range(len(range(0, n, 256))))  # the chunk program's, whole
     rows = [min(256, n - i) for i in range(0, n, 256)]
     want = sum(cm.chunk_graph_seconds(r, i * 256 + r, int(i == len(rows) - 1)) for i, r in enumerate(rows))
     assert s.chunk_graph_s == pytest.approx(want) and s.prefill_s == pytest.approx(want)
@@ -409,3 +419,20 @@ def test_schedule_prices_prefill_in_the_chunk_instance(tmp_path, n):
     npu, npu_ctx = plan_small(tmp_path, placement="cpu", prompt_len=n)  # W8A8: the CPU program is priced too
     s = npu_ctx.get(Schedule)
     assert s.prefill_program == "graph" and s.chunk_graph_s < s.cpu_program_s
+
+
+@pytest.mark.parametrize("n", [1, CHUNK, 2 * CHUNK])
+def test_chunk_instance_prompt_lengths_and_rewind(bundles, model_dirs, n):
+    """A one-token prompt, exactly one chunk and exactly two through the chunk instance give HF's logits;
+    after decoding, a rewind and a second prompt across a chunk boundary continue from the cache."""
+    from llmc.runtime import Session
+
+    ids = _ids(n + CHUNK + 4, seed=n + 20)
+    ref = hf_logits(model_dirs("llama"), ids)
+    tol = 1e-4 * np.abs(ref).max()
+    s = Session(bundles("llama"), "cpu")
+    np.testing.assert_allclose(s.prefill(ids[:n]), ref[n - 1], atol=tol)
+    np.testing.assert_allclose(s.decode(ids[n]), ref[n], atol=tol)
+    s.rewind(n)  # forget the decoded token, then feed it again with a chunk's worth more
+    np.testing.assert_allclose(s.prefill(ids[n:], all_logits=True), ref[n:], atol=tol)
+    assert s.position == len(ids)

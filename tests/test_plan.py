@@ -31,6 +31,9 @@ def test_plan_cli_text_and_json(tmp_path):
     assert d["offload"]["resident_bytes"] <= d["offload"]["budget_bytes"]
     r = _llmc("plan", str(cfg), "--prompt-len", "300")
     assert r.returncode == 0 and "tok/s" in r.stdout and "bubbles" in r.stdout
+    r = _llmc("plan", str(cfg), "--prompt-len", "300", "--target", "cpu", "--soc", "8gen3", "--json")  # the CPU runs both phases
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["prefill"]["policy"] == "chunk graph"  # one call of the decode graph's chunk instance per chunk
 
 
 def test_plan_errors_name_the_problem(tmp_path):
