@@ -29,7 +29,7 @@ With ``--chunk`` above 1 the graph also gets an instance at any row count up to
 C (``Subgraph.dynamic_rows``): prefill as one call per chunk, the nodes appending
 the chunk's K/V rows and attending over the positions before them, ``SelectRows``
 a ``Gather`` of the rows that need logits (a graph input). On SmolLM2 that beats
-the per-layer calls of the CPU program by 19-25% at 512 tokens (W8A8). Layers the
+the per-layer calls of the CPU program by 21-25% at 512 tokens (W8A8). Layers the
 node cannot take a chunk for keep the other programs' prefill (``why_not_chunks``).
 
 It applies when every dynamic op has such a lowering and the attention layers
