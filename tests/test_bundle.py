@@ -262,18 +262,25 @@ def test_killed_compiles_leave_nothing(model_dirs, tmp_path):
     from llmc.backends import bundle
 
     out = tmp_path / "b"
-    # The compile stalls after writing the weights, sleeping in short steps: Python runs signal handlers in the main
-    # thread only, and a signal the kernel hands to the process's other thread does not cut the main thread's sleep
-    # short. (With one sleep(60) this test timed out twice in CI at session 16's HEAD, never alone; the cause is
-    # not proven, and a timeout now reports the compile's stderr.)
     code = ("import sys, time; from llmc.backends import onnx_backend; real = onnx_backend.write_weights\n"
-            "def slow(*a, **k):\n    r = real(*a, **k)\n    for _ in range(600): time.sleep(0.1)\n    return r\n"
+            "def slow(*a, **k):\n    r = real(*a, **k); time.sleep(60); return r\n"
             "onnx_backend.write_weights = slow; from llmc.cli import main; sys.argv = sys.argv[:1] + sys.argv[1:]; main()")
 
+    def signals(nohup: bool):
+        # The compile starts as from a terminal: SIGINT and SIGTERM at their defaults, whatever this process has (a
+        # suite started in the background by a shell without job control ignores SIGINT, and so would the compile:
+        # the SIGINT case then failed in such CI runs). Under nohup, SIGHUP is ignored.
+        def preexec():
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if nohup:
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        return preexec
+
     def start(nohup=False):
-        ignore_hup = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None
         p = subprocess.Popen([sys.executable, "-c", code, "compile", str(model_dirs("llama")), "-o", str(out), "--chunk", str(CHUNK),
-                              "--max-context", str(MAX_CONTEXT), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=ignore_hup)
+                              "--max-context", str(MAX_CONTEXT), "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             preexec_fn=signals(nohup))
         deadline = time.time() + 120
         while not list(tmp_path.glob(".b.*.partial/weights/weights.bin")) and time.time() < deadline and p.poll() is None:
             time.sleep(0.2)
