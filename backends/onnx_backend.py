@@ -487,6 +487,7 @@ class _DecodeBuilder(_Builder):
         self.const("rotary.sin_cache", np.ascontiguousarray(sin[:, :half]))
         vi = self.helper.make_tensor_value_info
         self.extra_inputs += [vi(DECODE_SEQLENS, TensorProto.INT32, [1]), vi(DECODE_TOTAL, TensorProto.INT32, [])]
+        self.selected: set[str] = set()  # a chunk's values after SelectRows: one row per logit row
         if rows > 1:  # a chunk: the rows that need logits (SelectRows)
             self.extra_inputs.append(vi(DECODE_LOGIT_ROWS, TensorProto.INT64, [DECODE_LOGIT_ROWS]))
             self.selected = {v.name for n in graph.downstream("SelectRows", dg.subgraph.nodes) for v in n.outputs}
@@ -560,10 +561,10 @@ class _DecodeBuilder(_Builder):
         self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([-1, hd], np.int64))], y, f"{p}.rows")
 
     def row_group(self, x: str) -> str:
-        return "shadow.selected" if self.rows > 1 and x in self.selected else "shadow"
+        return "shadow.selected" if x in self.selected else "shadow"
 
     def value_info(self, name: str):
-        if self.rows > 1 and name in self.selected:  # after SelectRows: one row per logit row
+        if name in self.selected:
             v = self.values[name]
             return self.helper.make_tensor_value_info(name, _NP_TO_ONNX[v.dtype], [DECODE_LOGIT_ROWS, *v.shape[1:]])
         return super().value_info(name)

@@ -115,15 +115,19 @@ class CostModel:
         dg = self.decode_graph
         if dg is None or len(dg.subgraph.row_counts) < 2:
             return None
-        heads = {node.name for node in self.graph.downstream("SelectRows", dg.subgraph.nodes)}
         t = self.profile["cpu.launch_s"]
         for name in dg.subgraph.nodes:
-            rows = logit_rows if name in heads else n
+            rows = logit_rows if name in self._decode_graph_heads else n
             node = self._nodes[name]
             t += self.profile.get("cpu.node_s", 0.0) * _kernels(node, max(rows, 1))
             if rows:
                 t += self.node_seconds(node, rows, rows, keys, "cpu")
         return t
+
+    @functools.cached_property
+    def _decode_graph_heads(self) -> set[str]:
+        """The decode graph's nodes from its ``SelectRows`` on (the LM head)."""
+        return {node.name for node in self.graph.downstream("SelectRows", self.decode_graph.subgraph.nodes)}
 
     @functools.cached_property
     def _nodes(self) -> dict[str, Node]:

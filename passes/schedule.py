@@ -219,16 +219,15 @@ class ScheduleSteps(Pass):
             decode_s = sum(cm.step_seconds(s, 1, 1, tokens, "cpu") for s in dp.steps)  # the runtime's CPU decode program
         else:
             decode_s = _chain_seconds(cm, placement, list(plan.steps), "decode", tokens)
+        rows = [min(c, chunked - i * c) for i in range(k_prompt)]  # real rows of each chunk
         cpu_program_s = None
         if cpu_program:
             # the runtime prefills through the CPU program, chunk by chunk (its head steps are head_s's)
             tail = head_steps(graph, dp)
             body = [s for j, s in enumerate(dp.steps) if j not in tail]
-            rows = [min(c, chunked - i * c) for i in range(k_prompt)]  # real rows of each chunk
             cpu_program_s = sum(cm.step_seconds(s, n if exact else c, n, i * c + n, "cpu") for i, n in enumerate(rows) for s in body)
         chunk_graph_s = None
-        if chunk_graph:
-            rows = [min(c, tokens - i * c) for i in range(k_prompt)]
+        if chunk_graph:  # nothing goes through the one-row graph: the chunks hold every token, the last one scored
             chunk_graph_s = sum(cm.chunk_graph_seconds(n, i * c + n, int(i == k_prompt - 1)) for i, n in enumerate(rows))
         ino, ooo = report
         log.info("schedule (%s, %d tokens): in-order %.1f ms (NPU bubbles %.0f%%), out-of-order %.1f ms (%.0f%%); decode %.2f ms/token",

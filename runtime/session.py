@@ -239,8 +239,7 @@ class Session:
         self._decode_graph_steps = [st for st in self.program if st["kind"] == "op" and set(self._decode_graph_inputs).intersection(st["outputs"])]
         # Prefill as one call of the decode graph per chunk when it has a chunk instance (fuse_decode_graph) and the CPU
         # prefills: no other prefill graph, attention call or one-row head session is made then
-        self._chunk_graph = (self._decode_graph is not None and self._on_cpu("prefill")
-                             and self.graphs[self._decode_graph]["instances"].get(str(self.chunk), {}).get("dynamic", False))
+        self._chunk_graph = self._decode_graph is not None and self._on_cpu("prefill") and self._dynamic(self._decode_graph)
         self._chunk_runner: ChunkGraphRunner | None = None
         # Without that chunk instance, prefill ends in the decode graph: always when the CPU prefills too (one step
         # instead of the head, and no one-row head session), else only when that saves a chunk (on the NPU a CPU step
@@ -771,8 +770,6 @@ class Session:
     def _prefill_graph(self, ids: np.ndarray, all_logits: bool) -> np.ndarray:
         """Prefill ``ids`` as one call of the decode graph's chunk instance per chunk of up to C tokens
         (the last one at its own length); the logits of every row with ``all_logits``, else of the last."""
-        if self.cache is None:
-            self.reset()
         C, start0 = self.chunk, self.position
         runner = self._chunk_graph_runner()
         k = -(-len(ids) // C)
