@@ -89,12 +89,20 @@ print(json.dumps(out))
 """
 
 
-def token_ids(bundle: Path, n: int) -> list[int]:
+def token_ids(bundle: Path, n: int, text: str | None = None) -> list[int]:
+    """The first ``n`` tokens of ``text`` (default: ``llmc bench``'s text, CPython's LICENSE.txt), repeated when
+    shorter, by the bundle's tokenizer: every engine gets the same ids. Natural text, because a W8A8 shadow
+    bundle's prefill speed depends on it (see ``llmc.runtime.bench``); HF and llama.cpp do not care."""
     from tokenizers import Tokenizer
 
+    from llmc.runtime.bench import default_text
+
     tok = Tokenizer.from_file(str(bundle / "tokenizer" / "tokenizer.json"))
-    text = "The history of the river valley is a long story of farms, floods, towns and trade. " * (n // 8 + 8)
-    return tok.encode(text).ids[:n]
+    body = text if text is not None else default_text()[1]
+    ids = tok.encode(body).ids
+    if len(ids) < n:
+        ids = tok.encode("\n\n".join([body] * -(-n // max(len(ids), 1)))).ids
+    return ids[:n]
 
 
 def run_child(cfg: dict) -> dict:
@@ -148,14 +156,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run every engine this many times, taking turns; ratios per round, then median")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gguf", default=None, help="GGUF for the reference engines (default: the bundled SmolLM2)")
+    ap.add_argument("--prompt-file", default=None, help="UTF-8 text the prompts are cut from (default: llmc bench's, CPython's LICENSE.txt)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not args.bundle:
         ap.error("give at least one --bundle NAME=DIR")
+    from llmc.runtime.bench import default_text
+
     bundles = dict(b.split("=", 1) for b in args.bundle)
+    text = Path(args.prompt_file).read_text(encoding="utf-8") if args.prompt_file else None
     gguf = args.gguf
     if gguf is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from llmc.model_source import bundled_model_path
 
         gguf = str(bundled_model_path("smollm2-135m"))
@@ -170,7 +181,7 @@ def main() -> None:
     rows = []
     for n in [int(x) for x in args.prompt_lens.split(",")]:
         n_eff = min(n, max_ctx - args.new_tokens)
-        ids = token_ids(first, n_eff)
+        ids = token_ids(first, n_eff, text)
         base = {"ids": ids, "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads, "gguf": gguf}
         engines = {name: {"engine": "llmc", "bundle": d} for name, d in bundles.items()}
         engines["hf-eager"] = {"engine": "hf"}
@@ -182,10 +193,11 @@ def main() -> None:
             rounds.append({name: got[name] for name in engines})
         rows.append({"prompt_tokens": n_eff, "results": aggregate(rounds), "rounds": rounds})
     if args.json:
-        print(json.dumps({"runs": rows, "llama_cpp": have_llama}))
+        print(json.dumps({"runs": rows, "llama_cpp": have_llama, "prompt_text": args.prompt_file or default_text()[0]}))
         return
     if not have_llama:
         print("note: llama-cpp-python is not installed; llama.cpp skipped (pip install llama-cpp-python builds it from source)")
+    print(f"prompts: the first tokens of {args.prompt_file or default_text()[0]}")
     for row in rows:
         res = row["results"]
         hf = res["hf-eager"]

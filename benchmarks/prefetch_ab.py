@@ -17,7 +17,7 @@ import argparse
 import statistics
 
 from llmc.runtime import Session
-from llmc.runtime.bench import prompt_ids
+from llmc.runtime.bench import bench_prompt
 
 
 def steal_ticks() -> int:
@@ -35,7 +35,7 @@ def main() -> None:
     sessions = {"prefetch": Session(args.bundle, prefetch=True), "no-prefetch": Session(args.bundle, prefetch=False)}
     if sessions["prefetch"].residency is None:
         raise SystemExit(f"{args.bundle} has no memory budget (compile it with --memory-budget)")
-    ids = prompt_ids(sessions["prefetch"], args.prompt_len)
+    ids = bench_prompt(sessions["prefetch"], args.prompt_len).ids
     for s in sessions.values():  # warm-up
         s.generate(ids, 4, stop_at_eos=False)
     runs: dict[str, list[float]] = {k: [] for k in sessions}

@@ -669,26 +669,37 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
 @click.option("--prompt-len", type=click.IntRange(1), default=512, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(2), default=32, show_default=True)
 @click.option("--repeat", type=click.IntRange(1), default=3, show_default=True, help="Measured runs (after one warm-up).")
+@click.option("--prompt-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="UTF-8 text whose first --prompt-len tokens are the prompt (repeated when shorter). Default: CPython's "
+                   "LICENSE.txt, natural English the default calibration does not read. A W8A8 bundle's prefill speed "
+                   "depends on the text (its shadow corrections do work per outlier).")
 @click.option("--provider", type=click.Choice(["auto", "cpu", "qnn"]), default="auto", show_default=True)
 @click.option("--threads", type=click.IntRange(1), default=None)
 @_NO_PREFETCH
 @click.option("--json", "as_json", is_flag=True)
 @_guard
-def bench(bundle, prompt_len, new_tokens, repeat, provider, threads, no_prefetch, as_json):
+def bench(bundle, prompt_len, new_tokens, repeat, prompt_file, provider, threads, no_prefetch, as_json):
     """Time a BUNDLE: TTFT, prefill and decode tokens/s (median and spread), peak RSS, what ran prefill and decode, the KV cache,
     and for W8A8 bundles which int8 kernels ran."""
     import dataclasses
 
     from llmc.runtime.bench import bench as run_bench
 
+    text = (f"--prompt-file {prompt_file}", _read_text(prompt_file, "--prompt-file")) if prompt_file else None
+    if text is not None and not text[1].strip():
+        raise click.UsageError(f"--prompt-file {prompt_file} has no text")
     sess = _make_session(bundle, provider, threads, prefetch=not no_prefetch)
     if prompt_len + new_tokens > sess.max_context:
         raise click.BadParameter(f"prompt-len + new-tokens = {prompt_len + new_tokens} exceeds the bundle's max context {sess.max_context}")
-    r = run_bench(sess, prompt_len, new_tokens, repeat)
+    if text is not None and sess.tokenizer is None:
+        raise click.UsageError(f"{bundle} has no tokenizer, so --prompt-file cannot be tokenized; leave it out (random ids) "
+                               "or compile from a model with tokenizer files")
+    r = run_bench(sess, prompt_len, new_tokens, repeat, text=text)
     if as_json:
         click.echo(json.dumps(dataclasses.asdict(r)))
         return
     click.echo(f"{bundle}: {prompt_len}-token prompt, {new_tokens} new tokens, median of {repeat} runs (min..max)")
+    click.echo(f"  prompt   {r.prompt}")
     for label, f, unit in (("TTFT", r.ttft_s, "s"), ("prefill", r.prefill_tok_s, "tok/s"), ("decode", r.decode_tok_s, "tok/s")):
         click.echo(f"  {label:<8} {f.median:10.3f} {unit:<6} ({f.min:.3f}..{f.max:.3f})")
     click.echo(f"  peak RSS {r.peak_rss_mb:10.0f} MB")

@@ -269,6 +269,29 @@ def test_bench_json(bundles):
     assert r.exit_code == 2 and "max context" in r.output
 
 
+def test_bench_prompt_is_natural_text_or_the_users(bundles, tmp_path):
+    """The prompt is the first tokens of CPython's LICENSE.txt by default (a W8A8 shadow bundle's prefill speed
+    depends on the text), or of --prompt-file, repeated when the text is shorter; the report names it."""
+    from llmc.runtime import Session
+    from llmc.runtime.bench import bench_prompt, default_text
+
+    name, body = default_text()
+    r = invoke("bench", bundles("llama"), "--prompt-len", 12, "--new-tokens", 2, "--repeat", 1, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["prompt"] == f"the first 12 tokens of {name}"
+    s = Session(bundles("llama"))
+    assert bench_prompt(s, 12).ids == s.encode(body)[:12]
+    f = tmp_path / "words.txt"
+    f.write_text("the cat sat on the mat", encoding="utf-8")  # 6 tokens: two copies make 12
+    p = bench_prompt(s, 12, (str(f), f.read_text()))
+    assert p.ids == s.encode("the cat sat on the mat the cat sat on the mat") and p.source == f"the first 12 tokens of {f} (2 copies)"
+    r = invoke("bench", bundles("llama"), "--prompt-len", 12, "--new-tokens", 2, "--repeat", 1, "--prompt-file", str(f))
+    assert r.exit_code == 0 and f"prompt   the first 12 tokens of --prompt-file {f} (" in r.output, r.output
+    f.write_text("  \n", encoding="utf-8")
+    r = invoke("bench", bundles("llama"), "--prompt-len", 12, "--prompt-file", str(f))
+    assert r.exit_code == 2 and "has no text" in r.output, r.output
+
+
 def test_dump_ir_replaces_an_earlier_dump(model_dirs, tmp_path):
     d = tmp_path / "ir"
     for pipeline in (None, "dce,select_logit_rows,chunk_static_graphs"):

@@ -387,9 +387,9 @@ def test_smollm2_peak_rss_under_budget(smol_bundles, tmp_path, monkeypatch):
     code = textwrap.dedent(f"""
         import json
         from llmc.runtime import Session
-        from llmc.runtime.bench import prompt_ids
+        from llmc.runtime.bench import bench_prompt
         s = Session({str(out)!r}, provider="cpu")
-        r = s.generate(prompt_ids(s, 100), 16, stop_at_eos=False)
+        r = s.generate(bench_prompt(s, 100).ids, 16, stop_at_eos=False)
         # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec from the forked (large) pytest process
         hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024
         print(json.dumps({{"peak_rss_mb": hwm, "resident": s.residency.resident_bytes,
