@@ -53,3 +53,18 @@ def test_a_failed_round_is_reported(compare):
     rounds[1]["hf-eager"] = {"error": "no model"}
     assert compare.aggregate(rounds)["x"] == {"error": "boom"}
     assert compare.aggregate([{"y": _res(2, 2), "hf-eager": {"error": "no model"}}])["y"]["ratios"] == {}
+
+
+def test_prompts_are_llmc_bench_s_natural_text(compare, bundles, tmp_path):
+    """compare.py gives every engine the tokens llmc bench prompts with (natural English, not a repeated
+    sentence: a shadow bundle's prefill speed depends on the text), or those of --prompt-file, repeated when short."""
+    from pathlib import Path
+
+    from llmc.runtime import Session
+    from llmc.runtime.bench import bench_prompt
+
+    b = bundles("llama")
+    s = Session(b)
+    assert compare.token_ids(Path(b), 12) == bench_prompt(s, 12).ids
+    text = "the cat sat on the mat"
+    assert compare.token_ids(Path(b), 12, text) == bench_prompt(s, 12, ("f", text)).ids == s.encode(f"{text} {text}")
