@@ -1,7 +1,9 @@
 """Compare compiled bundles with HF transformers eager and llama.cpp, in one run.
 
 Every engine runs in its own child process (one process tree, one run, no
-thread pools fighting each other), on the same token ids, after a warm-up, and
+thread pools fighting each other), on the same token ids (the first tokens of
+``llmc bench``'s natural-English text, CPython's LICENSE.txt, or of
+``--prompt-file``), after a warm-up, and
 reports the median of ``--repeat`` runs. The parent prints a table and the
 ratios against HF eager fp32 (and llama.cpp when ``llama-cpp-python`` is
 installed; it is skipped with a note otherwise).

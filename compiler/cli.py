@@ -679,8 +679,8 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
 @click.option("--json", "as_json", is_flag=True)
 @_guard
 def bench(bundle, prompt_len, new_tokens, repeat, prompt_file, provider, threads, no_prefetch, as_json):
-    """Time a BUNDLE: TTFT, prefill and decode tokens/s (median and spread), peak RSS, what ran prefill and decode, the KV cache,
-    and for W8A8 bundles which int8 kernels ran."""
+    """Time a BUNDLE on a natural-English prompt (see --prompt-file): TTFT, prefill and decode tokens/s (median and spread),
+    peak RSS, what ran prefill and decode, the KV cache, and for W8A8 bundles which int8 kernels ran."""
     import dataclasses
 
     from llmc.runtime.bench import bench as run_bench
