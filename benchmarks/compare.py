@@ -100,6 +100,8 @@ def token_ids(bundle: Path, n: int, text: str | None = None) -> list[int]:
     from llmc.runtime.bench import default_text
 
     tok = Tokenizer.from_file(str(bundle / "tokenizer" / "tokenizer.json"))
+    if text is None and default_text() is None:
+        sys.exit("this Python has neither LICENSE.txt nor pydoc_data to cut prompts from: pass --prompt-file")
     body = text if text is not None else default_text()[1]
     ids = tok.encode(body).ids
     if len(ids) < n:

@@ -61,27 +61,33 @@ class Prompt:
     source: str  # what the ids are, for reports
 
 
-def default_text() -> tuple[str, str]:
+def default_text() -> tuple[str, str] | None:
     """(name, text) of the default benchmark text: CPython's ``LICENSE.txt`` from the standard library
     (natural English, about 3,800 SmolLM2 tokens, which the default calibration does not read), else the
-    calibration's own text (``pydoc_data.topics``) on a Python installed without it."""
+    calibration's own text (``pydoc_data.topics``) on a Python installed without it; None without either."""
     path = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
     try:
         return f"CPython's {path.name}", path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
+        pass
+    try:
         from pydoc_data import topics
-
-        return "pydoc_data.topics (the default calibration text)", "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    except ImportError:
+        return None
+    return "pydoc_data.topics (the default calibration text)", "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
 
 
 def bench_prompt(session: Session, n: int, text: tuple[str, str] | None = None, seed: int = 0) -> Prompt:
     """The first ``n`` tokens of ``text`` (``(name, text)``, default :func:`default_text`), the text
-    repeated when it is shorter; random ids (from ``seed``) when the bundle has no tokenizer."""
-    if session.tokenizer is None:
+    repeated when it is shorter; random ids (from ``seed``) when the bundle has no tokenizer or, without
+    ``text``, this Python has no default text."""
+    text = text or (default_text() if session.tokenizer is not None else None)
+    if text is None:
         rng = np.random.default_rng(seed)
         vocab = int(session.manifest["model"]["vocab_size"])
-        return Prompt([int(t) for t in rng.integers(0, vocab, size=n)], "random token ids (the bundle has no tokenizer)")
-    name, body = text or default_text()
+        why = "the bundle has no tokenizer" if session.tokenizer is None else "this Python has neither LICENSE.txt nor pydoc_data"
+        return Prompt([int(t) for t in rng.integers(0, vocab, size=n)], f"random token ids ({why})")
+    name, body = text
     ids = session.encode(body)
     if not ids:
         raise ValueError(f"{name} has no tokens")

@@ -292,6 +292,15 @@ def test_bench_prompt_is_natural_text_or_the_users(bundles, tmp_path):
     assert r.exit_code == 2 and "has no text" in r.output, r.output
 
 
+def test_bench_prompt_without_a_default_text(bundles, monkeypatch):
+    """A Python with neither LICENSE.txt nor pydoc_data: random ids, and the report says why."""
+    from llmc.runtime import Session, bench as B
+
+    monkeypatch.setattr(B, "default_text", lambda: None)
+    p = B.bench_prompt(Session(bundles("llama")), 12)
+    assert len(p.ids) == 12 and p.source == "random token ids (this Python has neither LICENSE.txt nor pydoc_data)"
+
+
 def test_dump_ir_replaces_an_earlier_dump(model_dirs, tmp_path):
     d = tmp_path / "ir"
     for pipeline in (None, "dce,select_logit_rows,chunk_static_graphs"):
