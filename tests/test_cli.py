@@ -292,6 +292,25 @@ def test_bench_prompt_is_natural_text_or_the_users(bundles, tmp_path):
     assert r.exit_code == 2 and "has no text" in r.output, r.output
 
 
+def test_bench_without_a_tokenizer(bundles, tmp_path):
+    """A bundle without a tokenizer benches on random ids and says so; it cannot take --prompt-file."""
+    import shutil
+
+    from conftest import write_manifest
+
+    d = tmp_path / "no-tokenizer"
+    shutil.copytree(bundles("llama"), d)
+    m = json.loads((d / "manifest.json").read_text())
+    m["tokenizer"] = {"eos_token_ids": m["tokenizer"]["eos_token_ids"]}
+    write_manifest(d, m)
+    r = invoke("bench", d, "--prompt-len", 12, "--new-tokens", 2, "--repeat", 1, "--json")
+    assert r.exit_code == 0 and json.loads(r.output)["prompt"] == "random token ids (the bundle has no tokenizer)", r.output
+    f = tmp_path / "words.txt"
+    f.write_text("the cat", encoding="utf-8")
+    r = invoke("bench", d, "--prompt-len", 12, "--prompt-file", str(f))
+    assert r.exit_code == 2 and "has no tokenizer, so --prompt-file cannot be tokenized" in r.output, r.output
+
+
 def test_bench_prompt_without_a_default_text(bundles, monkeypatch):
     """A Python with neither LICENSE.txt nor pydoc_data: random ids, and the report says why."""
     from llmc.runtime import Session, bench as B
