@@ -97,16 +97,10 @@ def token_ids(bundle: Path, n: int, text: str | None = None) -> list[int]:
     bundle's prefill speed depends on it (see ``llmc.runtime.bench``); HF and llama.cpp do not care."""
     from tokenizers import Tokenizer
 
-    from llmc.runtime.bench import default_text
+    from llmc.runtime.bench import default_text, first_tokens
 
     tok = Tokenizer.from_file(str(bundle / "tokenizer" / "tokenizer.json"))
-    if text is None and default_text() is None:
-        sys.exit("this Python has neither LICENSE.txt nor pydoc_data to cut prompts from: pass --prompt-file")
-    body = text if text is not None else default_text()[1]
-    ids = tok.encode(body).ids
-    if len(ids) < n:
-        ids = tok.encode("\n\n".join([body] * -(-n // max(len(ids), 1)))).ids
-    return ids[:n]
+    return first_tokens(lambda t: tok.encode(t).ids, text if text is not None else default_text()[1], n)[0]
 
 
 def run_child(cfg: dict) -> dict:
@@ -168,7 +162,10 @@ def main() -> None:
     from llmc.runtime.bench import default_text
 
     bundles = dict(b.split("=", 1) for b in args.bundle)
-    text = Path(args.prompt_file).read_text(encoding="utf-8") if args.prompt_file else None
+    source = (args.prompt_file, Path(args.prompt_file).read_text(encoding="utf-8")) if args.prompt_file else default_text()
+    if source is None:
+        sys.exit("this Python has neither LICENSE.txt nor pydoc_data to cut prompts from: pass --prompt-file")
+    text_name, text = source
     gguf = args.gguf
     if gguf is None:
         from llmc.model_source import bundled_model_path
@@ -197,11 +194,11 @@ def main() -> None:
             rounds.append({name: got[name] for name in engines})
         rows.append({"prompt_tokens": n_eff, "results": aggregate(rounds), "rounds": rounds})
     if args.json:
-        print(json.dumps({"runs": rows, "llama_cpp": have_llama, "prompt_text": args.prompt_file or default_text()[0]}))
+        print(json.dumps({"runs": rows, "llama_cpp": have_llama, "prompt_text": text_name}))
         return
     if not have_llama:
         print("note: llama-cpp-python is not installed; llama.cpp skipped (pip install llama-cpp-python builds it from source)")
-    print(f"prompts: the first tokens of {args.prompt_file or default_text()[0]}")
+    print(f"prompts: the first tokens of {text_name}")
     for row in rows:
         res = row["results"]
         hf = res["hf-eager"]

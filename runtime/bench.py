@@ -17,7 +17,7 @@ import dataclasses
 import statistics
 import sysconfig
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -88,13 +88,19 @@ def bench_prompt(session: Session, n: int, text: tuple[str, str] | None = None, 
         why = "the bundle has no tokenizer" if session.tokenizer is None else "this Python has neither LICENSE.txt nor pydoc_data"
         return Prompt([int(t) for t in rng.integers(0, vocab, size=n)], f"random token ids ({why})")
     name, body = text
-    ids = session.encode(body)
+    ids, times = first_tokens(session.encode, body, n, name)
+    return Prompt(ids, f"the first {n} tokens of {name}" + (f" ({times} copies)" if times > 1 else ""))
+
+
+def first_tokens(encode: Callable[[str], list[int]], body: str, n: int, name: str = "the text") -> tuple[list[int], int]:
+    """The first ``n`` tokens of ``body`` by ``encode``, and how many copies of it (joined by blank lines) that took."""
+    ids = encode(body)
     if not ids:
         raise ValueError(f"{name} has no tokens")
     times = -(-n // len(ids))
     if times > 1:
-        ids = session.encode("\n\n".join([body] * times))
-    return Prompt(ids[:n], f"the first {n} tokens of {name}" + (f" ({times} copies)" if times > 1 else ""))
+        ids = encode("\n\n".join([body] * times))
+    return ids[:n], times
 
 
 def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat: int = 3, warmup: int = 1,
