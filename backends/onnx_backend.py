@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 
 OPSET = 23
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
+NATIVE_DOMAIN = "ai.llmc"  # llmc's native CPU kernels (llmc.runtime.native: ShadowCorrection)
 WEIGHTS_FILE = "weights/weights.bin"
 DECODE_SEQLENS, DECODE_TOTAL = "seqlens_k", "total_len"  # the decode graph's cache-length inputs
 DECODE_LOGIT_ROWS = "logit_rows"  # its chunk instance's rows that need logits (int64 [k])
@@ -100,10 +101,12 @@ def write_weights(graph: Graph, names: Iterable[str], root: Path) -> dict[str, d
 
 
 class _Builder:
-    def __init__(self, graph: Graph, sub: Subgraph, rows: int, weights: dict[str, dict[str, Any]], streamed: frozenset[str] = frozenset()) -> None:
+    def __init__(self, graph: Graph, sub: Subgraph, rows: int, weights: dict[str, dict[str, Any]], streamed: frozenset[str] = frozenset(),
+                 native: bool = False) -> None:
         from onnx import helper
 
         self.helper = helper
+        self.native = native  # shadow corrections as llmc's native op (--cpu-kernels native), not as stock ops
         self.graph = graph
         self.sub = sub
         self.rows = rows
@@ -289,30 +292,45 @@ class _Builder:
 
     def shadow_outliers(self, n: Node, x: list[str], y: list[str]) -> None:
         """``y_i = ys_i + (x - clip(x)) @ W_i^T`` over the channels where some row of x is
-        outside ``[lo, hi]`` (at one row found with a mask, in a chunk per block of rows: see
-        :meth:`shadow_correction`): the runtime kernel's arithmetic as ONNX ops, for graphs that run
-        on the CPU (``fuse_cpu_decode``). When the ys are the column slices of one projection
-        (q/k/v merged by ``fuse_sibling_linears``), the correction adds to it whole and the
-        results are sliced after: one add instead of a split and one per part."""
+        outside ``[lo, hi]``: as ONNX ops (at one row found with a mask, in a chunk per block of
+        rows: see :meth:`shadow_correction`), the runtime kernel's arithmetic, or as llmc's native
+        op (``--cpu-kernels native``, :meth:`native_op`), for graphs that run on the CPU
+        (``fuse_cpu_decode``). When the ys are the column slices of one projection (q/k/v merged
+        by ``fuse_sibling_linears``), the correction adds to it whole and the results are sliced
+        after: one add instead of a split and one per part."""
         a, p = n.attrs, n.name
         src = self.whole_source(n)
-        self.shadow_correction(n, x[0])
-        if src is not None:
-            whole = whole_name(n)
-            self.add("Add", [src.name, f"{p}.corr"], [whole], f"{p}.add")
-            start = 0
-            for v, width in zip(n.outputs, a["splits"]):
-                if not self.drops(v):
-                    self.slice(whole, start, start + width, v.name, f"{v.name}.slice")
-                start += width
+        if src is not None or len(y) == 1:
+            out = whole_name(n) if src is not None else y[0]
+            if self.native:
+                self.native_op(n, x[0], [src.name if src is not None else x[1]], out)
+            else:
+                self.shadow_correction(n, x[0])
+                self.add("Add", [src.name if src is not None else x[1], f"{p}.corr"], [out], f"{p}.add")
+            if src is not None:
+                start = 0
+                for v, width in zip(n.outputs, a["splits"]):
+                    if not self.drops(v):
+                        self.slice(out, start, start + width, v.name, f"{v.name}.slice")
+                    start += width
             return
-        parts = [f"{p}.corr"]
-        if len(y) > 1:
-            parts = [f"{p}.corr{i}" for i in range(len(y))]
-            sizes = self.const(f"{p}.splits", np.array(a["splits"], np.int64))
-            self.add("Split", [f"{p}.corr", sizes], parts, f"{p}.split", axis=-1)
+        if self.native:
+            self.native_op(n, x[0], [], f"{p}.corr")
+        else:
+            self.shadow_correction(n, x[0])
+        parts = [f"{p}.corr{i}" for i in range(len(y))]
+        sizes = self.const(f"{p}.splits", np.array(a["splits"], np.int64))
+        self.add("Split", [f"{p}.corr", sizes], parts, f"{p}.split", axis=-1)
         for i, (ys, out) in enumerate(zip(x[1:], y)):
             self.add("Add", [ys, parts[i]], [out], f"{p}.add{i}")
+
+    def native_op(self, n: Node, x: str, base: list[str], out: str) -> None:
+        """``out = base + (x - clip(x)) @ W^T`` (no base: the correction alone) as llmc's native op
+        ``ShadowCorrection`` (:mod:`llmc.runtime.native`): one op at any row count, visiting each row's
+        own outliers where the stock ops take a block's union of outlier channels."""
+        a = n.attrs
+        self.add("ShadowCorrection", [x, self.weight(n.weights["weight_t"]), *base], [out], f"{n.name}.native", domain=NATIVE_DOMAIN,
+                 lo=float(a["lo"]), hi=float(a["hi"]))
 
     def shadow_correction(self, n: Node, x: str) -> None:
         """``{name}.corr = (x - clip(x)) @ W^T`` over the outlier channels, all of the correction's columns."""
@@ -472,8 +490,9 @@ class _DecodeBuilder(_Builder):
     minus one, ``SelectRows`` gathers the rows named by ``logit_rows`` (``[k]``, int64),
     and the corrections after it split those k rows into their own blocks."""
 
-    def __init__(self, graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str, Any]], fed: frozenset[str], rows: int = 1) -> None:
-        super().__init__(graph, dg.subgraph, rows, weights, fed)
+    def __init__(self, graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str, Any]], fed: frozenset[str], rows: int = 1,
+                 native: bool = False) -> None:
+        super().__init__(graph, dg.subgraph, rows, weights, fed, native)
         from onnx import TensorProto
 
         from llmc.runtime import kernels
@@ -594,7 +613,7 @@ def _check(model, root: Path) -> None:
 
 
 def emit_graphs(graph: Graph, plan: ChunkPlan | DecodePlan, weights: dict[str, dict[str, Any]], root: Path, placement: str = "cpu",
-                streamed: frozenset[str] = frozenset(), fed: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
+                streamed: frozenset[str] = frozenset(), fed: frozenset[str] = frozenset(), native: bool = False) -> dict[str, dict[str, Any]]:
     """Write every subgraph instance; return the manifest's ``graphs`` table.
 
     Weights named in ``streamed`` (an :class:`~llmc.analyses.OffloadPlan`'s) become
@@ -602,23 +621,24 @@ def emit_graphs(graph: Graph, plan: ChunkPlan | DecodePlan, weights: dict[str, d
     initializers: the runtime reads them from the weight file for every run and
     feeds them. The graph's entry lists them under ``"streamed"``. Weights in
     ``fed`` become graph inputs too, fed from the runtime's resident memory
-    (listed under ``"fed"``).
+    (listed under ``"fed"``). ``native`` writes the shadow corrections as llmc's native op
+    (``--cpu-kernels native``).
     """
 
     table: dict[str, dict[str, Any]] = {}
     for sub in plan.subgraphs:
-        builders = [_Builder(graph, sub, rows, weights, streamed | fed) for rows in sub.row_counts]
+        builders = [_Builder(graph, sub, rows, weights, streamed | fed, native) for rows in sub.row_counts]
         table[sub.name] = _write(graph, sub, builders, weights, root, placement, streamed, fed)
     return table
 
 
 def emit_decode_graph(graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str, Any]], root: Path,
-                      fed: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
+                      fed: frozenset[str] = frozenset(), native: bool = False) -> dict[str, dict[str, Any]]:
     """Write the one-graph decode (:class:`~llmc.analyses.DecodeGraph`); return its ``graphs`` entry.
 
     Its manifest entry also lists the graph's cache-length inputs and, per layer,
     the names of its past and present K/V (``"kv"``)."""
-    builders = [_DecodeBuilder(graph, dg, weights, fed, rows) for rows in dg.subgraph.row_counts]
+    builders = [_DecodeBuilder(graph, dg, weights, fed, rows, native) for rows in dg.subgraph.row_counts]
     entry = _write(graph, dg.subgraph, builders, weights, root, "cpu", frozenset(), fed)
     entry["kv"] = [{"layer": layer, **_kv_names(layer)} for layer, _, _ in dg.layers]
     entry["seqlens"], entry["total_len"] = DECODE_SEQLENS, DECODE_TOTAL

@@ -93,6 +93,9 @@ def cli(verbose: int) -> None:
 @click.option("--smooth-alpha", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="[npu] Smooth activation outliers into the weights (SmoothQuant, power-of-two factors; adds "
                    "smooth_activations and a second calibrate) with this strength. Default: 0.8 with --no-shadow, else off.")
+@click.option("--cpu-kernels", type=click.Choice(["onnx", "native"]), default="onnx", show_default=True,
+              help="[npu] How the CPU computes the shadow outlier corrections: ONNX Runtime's stock ops, or llmc's native op "
+                   "(faster; the bundle then needs `llmc kernels build` run where it runs).")
 @click.option("--weight-granularity", type=click.Choice(["channel", "tensor"]), default="channel", show_default=True, help="[npu] int8 weight scales per output channel or per tensor.")
 @click.option("--profile", "profile", default=None,
               help="Device profile the cost model plans for (see `llmc profiles`; a name or a .json path). Default: the --soc, "
@@ -109,7 +112,7 @@ def cli(verbose: int) -> None:
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @_guard
 def compile(model, out, target, weights, kv_cache, soc, qnn_shard_mb, qnn_shard_graphs, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
-            shadow_keep, pruned_percentile, hot_budget, smooth_alpha, weight_granularity, profile, placement, prompt_len, memory_budget, prefetch_depth, cache_dir, no_cache, quiet):
+            shadow_keep, pruned_percentile, hot_budget, smooth_alpha, cpu_kernels, weight_granularity, profile, placement, prompt_len, memory_budget, prefetch_depth, cache_dir, no_cache, quiet):
     """Compile MODEL into a bundle.
 
     MODEL is the bundled name `smollm2-135m`, a HuggingFace model directory, a .gguf
@@ -145,7 +148,7 @@ def compile(model, out, target, weights, kv_cache, soc, qnn_shard_mb, qnn_shard_
     summary = compile_model(
         model, out, target=target, chunk=chunk, max_context=max_context, pipeline=pipeline, instruments=instruments, progress=progress,
         mlir_dialect=mlir_dialect, repro_dir=repro_dir, soc=soc, qnn_shard_bytes=qnn_shard_mb << 20 if qnn_shard_mb else None,
-        qnn_shard_graphs=qnn_shard_graphs, weight_format=weights, kv_cache=kv_cache,
+        qnn_shard_graphs=qnn_shard_graphs, weight_format=weights, kv_cache=kv_cache, cpu_kernels=cpu_kernels,
         calib_file=calib_file, calib_tokens=calib_tokens, cache_dir=cache_dir, shadow=not no_shadow, clip_percentile=clip_percentile,
         shadow_keep=shadow_keep, pruned_percentile=None if pruned_percentile >= 100 else pruned_percentile, hot_budget=hot_budget,
         smooth_alpha=smooth_alpha, weight_granularity=weight_granularity, profile=profile, placement=placement, prompt_len=prompt_len, memory_budget=memory_budget, prefetch_depth=prefetch_depth,
@@ -224,6 +227,39 @@ def plan(model, profile, prompt_len, target, weights, kv_cache, chunk, memory_bu
                    f"{format_size(o['streamed_bytes_per_token'])}/token, ring {format_size(o['buffer_bytes'])} (depth {o['prefetch_depth']}); "
                    + (f"decode {o['decode_tok_s_prefetch']:.1f} tok/s with prefetch, {o['decode_tok_s_no_prefetch']:.1f} without"
                       if o["prefetch_depth"] > 0 else f"decode {o['decode_tok_s_no_prefetch']:.1f} tok/s (no prefetch)"))
+
+
+@cli.group()
+def kernels() -> None:
+    """llmc's native CPU kernels: an ONNX Runtime custom-op library that bundles compiled with
+    `--cpu-kernels native` need where they run."""
+
+
+@kernels.command("build")
+@click.option("--ort-include", type=click.Path(file_okay=False), default=None,
+              help="Directory holding ONNX Runtime's onnxruntime_c_api.h and onnxruntime_cxx_api.h (default: $LLMC_ORT_INCLUDE, "
+                   "else /usr/include/onnxruntime, /usr/local/include/onnxruntime, /usr/local/include).")
+@click.option("--cxx", default=None, help="C++ compiler (default: $CXX, else g++).")
+@click.option("--force", is_flag=True, help="Rebuild even when the library is up to date.")
+@_guard
+def kernels_build(ort_include, cxx, force):
+    """Build the kernels for this CPU into $LLMC_CACHE_DIR/native (default ~/.cache/llmc/native)."""
+    from llmc.runtime import native
+
+    click.echo(f"built {native.build(ort_include, cxx, force)}")
+
+
+@kernels.command("path")
+@_guard
+def kernels_path():
+    """Print the built library's path (exit 11 when it is not built)."""
+    from llmc.runtime import native
+    from llmc.runtime.errors import NativeKernelError
+
+    path = native.library_path()
+    if path is None:
+        raise NativeKernelError("llmc's native CPU kernels are not built on this machine", hint="build them with `llmc kernels build`")
+    click.echo(path)
 
 
 @cli.command("profile-host")

@@ -54,7 +54,9 @@ _READ_BY = {
     "placement": ("--placement", ("place",), _COST),
     "profile": ("--profile", ("place",), _COST),
     "prompt_len": ("--prompt-len", ("schedule",), _COST),
+    "cpu_kernels": ("--cpu-kernels", ("extract_shadow_outliers",), _NPU),
 }
+CPU_KERNELS = ("onnx", "native")  # how the CPU's graphs compute the shadow corrections (--cpu-kernels)
 
 
 def check_early(options: CompileOptions, names: list[str], target: str, soc: str | None, explicit: Iterable[str],
@@ -162,6 +164,7 @@ def compile_model(
     qnn_shard_graphs: int | None = None,
     weight_format: str = "float32",
     kv_cache: str = "float32",
+    cpu_kernels: str = "onnx",
     explicit: Iterable[str] = (),
     **quant_options: Any,
 ) -> CompileSummary:
@@ -175,6 +178,8 @@ def compile_model(
     ``weight_format="int4"`` (``target="cpu"`` only) runs the ``cpu-int4`` pipeline: weight-only
     int4 Linears (``quantize_int4``). ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
     ``calibrate`` where the pipeline has none, see :func:`with_kv_cache`): an int8 KV cache.
+    ``cpu_kernels="native"`` writes the shadow corrections as llmc's native op
+    (:mod:`llmc.runtime.native`); the bundle then needs the kernels built where it runs.
     ``explicit`` names the options the user set (the CLI's); one that nothing in this compile
     reads is refused (:func:`check_early`).
     """
@@ -211,6 +216,8 @@ def compile_model(
             qnn_skip = qnn_available()
     default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
     check_kv_cache_format(kv_cache)
+    if cpu_kernels not in CPU_KERNELS:
+        raise CompileError(f"unknown --cpu-kernels {cpu_kernels!r}", hint="choose one of: " + ", ".join(CPU_KERNELS))
     if pipeline is not None and not pipeline.strip():
         raise CompileError("--pipeline is empty", hint="name the passes (see `llmc passes`), or leave --pipeline out for the target's default")
     passes = parse_pipeline(pipeline or default_pipeline(default), REGISTRY)  # fail fast on a bad --pipeline
@@ -249,6 +256,12 @@ def compile_model(
     if "quantize_int4" in names:
         check_options(options)  # before loading the model
     check_early(options, names, target, soc, explicit, qnn_skip)
+    if cpu_kernels == "native":
+        from llmc.runtime import native as native_mod
+
+        if native_mod.library_path() is None:
+            log.warning("--cpu-kernels native: llmc's native kernels are not built on this machine; the bundle will not run "
+                        "here until `llmc kernels build` has built them")
     seconds: dict[str, float] = {}
     notify = progress or (lambda stage: None)
 
@@ -287,18 +300,19 @@ def compile_model(
         order = _weight_order(graph, plan)
         weights = onnx_backend.write_weights(graph, order, root)
         offload = _offload_section(ctx, weights)
-        graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu",
-                                          streamed=frozenset(offload["streamed"]) if offload else frozenset(),
-                                          fed=frozenset(offload["resident"]) if offload else frozenset())
         # the corrections' float weights are inputs of the CPU's graphs: ONNX Runtime reads every initializer when it
         # loads a graph, which would page in all of them; fed by pointer, only the rows of outlier channels are touched
         shadow_t = frozenset(n.weights["weight_t"].name for n in graph.find("ShadowOutliers"))
+        native = cpu_kernels == "native" and bool(shadow_t)  # the library is needed only where there are corrections
+        graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu",
+                                          streamed=frozenset(offload["streamed"]) if offload else frozenset(),
+                                          fed=frozenset(offload["resident"]) if offload else frozenset(), native=native)
         decode_plan = ctx.get(DecodePlan) if ctx.has(DecodePlan) else None  # none under a budget (fuse_cpu_decode)
         if decode_plan is not None:  # the CPU's program (decode, and CPU prefill) (fuse_cpu_decode)
-            graphs.update(onnx_backend.emit_graphs(graph, decode_plan, weights, root, placement="cpu", fed=shadow_t))
+            graphs.update(onnx_backend.emit_graphs(graph, decode_plan, weights, root, placement="cpu", fed=shadow_t, native=native))
         decode_graph = ctx.get(DecodeGraph) if ctx.has(DecodeGraph) else None  # decode as one graph (fuse_decode_graph)
         if decode_graph is not None:
-            graphs.update(onnx_backend.emit_decode_graph(graph, decode_graph, weights, root, fed=shadow_t))
+            graphs.update(onnx_backend.emit_decode_graph(graph, decode_graph, weights, root, fed=shadow_t, native=native))
         tok = _write_tokenizer(loaded, root)
         qnn = None
         if target == "npu":
@@ -329,6 +343,8 @@ def compile_model(
             "program": _program(graph, plan),
             "tokenizer": tok,
         }
+        if native:
+            manifest["cpu_kernels"] = "native"
         if decode_plan is not None:
             manifest["decode_program"] = _program(graph, decode_plan)
         if decode_graph is not None:

@@ -41,3 +41,9 @@ class ChatTemplateError(LlmcRuntimeError):
     """The bundle's chat template cannot render the conversation (or Jinja2 is missing)."""
 
     exit_code = 5
+
+
+class NativeKernelError(LlmcRuntimeError):
+    """llmc's native CPU kernels (``llmc kernels build``) cannot be built, or a bundle needs them unbuilt."""
+
+    exit_code = 11

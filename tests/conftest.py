@@ -44,6 +44,21 @@ def _fresh_cpu_detection():
     cpu.u8s8_is_exact.cache_clear()
 
 
+@pytest.fixture(scope="session")
+def native_kernels():
+    """llmc's native CPU kernels, built once into the tests' cache. Skipped where ONNX Runtime's headers
+    are missing (see `llmc kernels build --help`), except with $LLMC_REQUIRE_NATIVE_KERNELS=1 (CI)."""
+    from llmc.runtime import native
+    from llmc.runtime.errors import NativeKernelError
+
+    try:
+        return native.build()
+    except NativeKernelError as e:
+        if os.environ.get("LLMC_REQUIRE_NATIVE_KERNELS") == "1":
+            raise
+        pytest.skip(f"llmc's native kernels cannot be built here: {e}")
+
+
 def family_configs():
     import transformers as T
 

@@ -1,0 +1,139 @@
+"""llmc's native CPU kernels: an ONNX Runtime custom-op library built from this package's C++ source.
+
+The library holds ``ai.llmc.ShadowCorrection`` (``shadow_correction.cc``): a W8A8 projection's float
+outlier correction, ``y = base + (x - clip(x, lo, hi)) @ wt``, visiting each row's own outliers.
+ONNX Runtime's stock ops can only do it per block of rows over the block's union of outlier
+channels (``llmc.backends.onnx_backend``); bundles compiled with ``--cpu-kernels native`` use this
+op instead, and their sessions load the library.
+
+:func:`build` compiles the source with the host's C++ compiler against ONNX Runtime's C/C++ API
+headers (``onnxruntime_cxx_api.h``: ONNX Runtime's release archives have them under ``include/``,
+Debian's ``libonnxruntime-dev`` under ``/usr/include/onnxruntime``). The library is built for this
+CPU (``-march=native``) into ``$LLMC_CACHE_DIR/native`` (default ``~/.cache/llmc/native``), under a
+name keyed by the source, the flags and the compiler, so an edited source is rebuilt, never mixed up.
+It calls ONNX Runtime only through the API table it is handed when registered, so it links to no
+ONNX Runtime library and any ONNX Runtime with that API version or a later one loads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from llmc.runtime.errors import NativeKernelError
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("shadow_correction.cc")
+DOMAIN = "ai.llmc"
+HEADER = "onnxruntime_cxx_api.h"
+# where ONNX Runtime's headers are looked for when neither --ort-include nor $LLMC_ORT_INCLUDE names them
+INCLUDE_DIRS = (Path("/usr/include/onnxruntime"), Path("/usr/local/include/onnxruntime"), Path("/usr/local/include"))
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("LLMC_CACHE_DIR") or str(Path.home() / ".cache" / "llmc")
+    return Path(base) / "native"
+
+
+def _compiler(cxx: str | None) -> str:
+    name = cxx or os.environ.get("CXX") or "g++"
+    path = shutil.which(name)
+    if path is None:
+        raise NativeKernelError(f"no C++ compiler {name!r} on PATH to build llmc's native kernels",
+                                hint="install one (Debian: apt-get install g++), or name it with --cxx or $CXX")
+    return path
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[0]
+    except (OSError, IndexError):
+        return cxx
+
+
+def library_name(cxx: str) -> str:
+    """The library's file name: keyed by the source, the flags and the compiler."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _compiler_version(cxx).encode()).hexdigest()[:16]
+    return f"libllmc_kernels-{key}.so"
+
+
+def find_headers(include: str | Path | None = None) -> Path:
+    """The directory holding ONNX Runtime's ``onnxruntime_cxx_api.h``: ``include`` if given, else
+    ``$LLMC_ORT_INCLUDE``, else the usual system places."""
+    given = include or os.environ.get("LLMC_ORT_INCLUDE")
+    candidates = [Path(given)] if given else list(INCLUDE_DIRS)
+    for d in candidates:
+        if (d / HEADER).is_file():
+            return d
+    where = str(candidates[0]) if given else ", ".join(str(d) for d in INCLUDE_DIRS)
+    raise NativeKernelError(f"ONNX Runtime's C++ API header {HEADER} is not in {where}",
+                            hint="pass --ort-include DIR (or set $LLMC_ORT_INCLUDE) to the directory that holds "
+                                 "onnxruntime_c_api.h and onnxruntime_cxx_api.h: an ONNX Runtime release's include/, "
+                                 "or /usr/include/onnxruntime from Debian's libonnxruntime-dev")
+
+
+def library_path() -> Path | None:
+    """The built library for the current source, or None when it is not built (``$LLMC_KERNELS`` names
+    a library to use instead)."""
+    given = os.environ.get("LLMC_KERNELS")
+    if given:
+        return Path(given) if Path(given).is_file() else None
+    cxx = shutil.which(os.environ.get("CXX") or "g++")
+    if cxx is not None:
+        path = cache_dir() / library_name(cxx)
+        return path if path.is_file() else None
+    built = sorted(cache_dir().glob("libllmc_kernels-*.so"), key=lambda p: p.stat().st_mtime)
+    return built[-1] if built else None  # no compiler here: the newest library built
+
+
+def require_library() -> Path:
+    """The library, for a bundle compiled with ``--cpu-kernels native``; a named error when it is not built."""
+    path = library_path()
+    if path is None:
+        if os.environ.get("LLMC_KERNELS"):
+            raise NativeKernelError(f"$LLMC_KERNELS names {os.environ['LLMC_KERNELS']}, which is not a file",
+                                    hint="point it at a library built by `llmc kernels build`, or unset it")
+        raise NativeKernelError("this bundle uses llmc's native CPU kernels (compiled with --cpu-kernels native), "
+                                "which are not built on this machine",
+                                hint="build them once with `llmc kernels build` (needs a C++ compiler and ONNX Runtime's "
+                                     "headers, see `llmc kernels build --help`), or compile the bundle with --cpu-kernels onnx")
+    return path
+
+
+def build(include: str | Path | None = None, cxx: str | None = None, force: bool = False) -> Path:
+    """Compile the kernels for this CPU into :func:`cache_dir`; return the library's path. An
+    up-to-date library is kept unless ``force``. The library appears whole or not at all."""
+    compiler = _compiler(cxx)
+    headers = find_headers(include)
+    out = cache_dir() / library_name(compiler)
+    if out.is_file() and not force:
+        log.info("native kernels are up to date: %s", out)
+        return out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NativeKernelError(f"cannot create {out.parent}: {e.strerror or e}",
+                                hint="set $LLMC_CACHE_DIR to a writable directory") from e
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [compiler, *FLAGS, "-I", str(headers), str(SOURCE), "-o", tmp]
+    log.info("building native kernels: %s", " ".join(cmd))
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            raise NativeKernelError(f"building llmc's native kernels failed ({Path(compiler).name} exit {done.returncode}): "
+                                    + "\n".join(lines[:20]),
+                                    hint=f"check that {headers} holds the headers of ONNX Runtime 1.21 or later")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out

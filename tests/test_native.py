@@ -1,0 +1,211 @@
+"""llmc's native CPU kernels (llmc.runtime.native): the ShadowCorrection op against numpy, bundles
+compiled with --cpu-kernels native against the stock-op bundle, and the errors around building and
+loading the library."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from conftest import CHUNK, MAX_CONTEXT
+
+
+def _op_model(x_shape, wt: np.ndarray, lo: float, hi: float, base: bool):
+    from onnx import TensorProto, helper, numpy_helper
+
+    n = wt.shape[1]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))]
+    names = ["x", "wt"]
+    if base:
+        inputs.append(helper.make_tensor_value_info("base", TensorProto.FLOAT, [*x_shape[:-1], n]))
+        names.append("base")
+    node = helper.make_node("ShadowCorrection", names, ["y"], domain="ai.llmc", lo=lo, hi=hi)
+    g = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(wt, "wt")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)])
+
+
+def _session(model, library, threads: int = 2):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _outliers(rng, shape, rate: float, lo: float, hi: float) -> np.ndarray:
+    x = rng.uniform(lo, hi, shape).astype(np.float32)
+    hit = rng.random(shape) < rate
+    x[hit] = (rng.choice([-1.0, 1.0], hit.sum()) * rng.uniform(1.5, 20.0, hit.sum()) * max(abs(lo), hi)).astype(np.float32)
+    return x
+
+
+@pytest.mark.parametrize("shape,n,threads", [((64, 96), 300, 2), ((2, 5, 40), 256, 1), ((1, 96), 520, 2), ((33, 8), 7, 2)])
+def test_shadow_correction_matches_numpy(native_kernels, shape, n, threads):
+    """base + (x - clip(x, lo, hi)) @ wt, at chunk and one-row shapes, a partial last column tile (300,
+    520), exactly one tile (256), fewer columns than a tile (7), with and without base, on one thread
+    and on ONNX Runtime's pool; rows without outliers are base exactly."""
+    rng = np.random.default_rng(sum(shape) + n)
+    lo, hi = -0.75, 1.25
+    x = _outliers(rng, shape, 0.03, lo, hi)
+    x.reshape(-1, shape[-1])[0] = np.clip(x.reshape(-1, shape[-1])[0], lo, hi)  # a row with no outlier
+    wt = rng.standard_normal((shape[-1], n)).astype(np.float32)
+    base = rng.standard_normal((*shape[:-1], n)).astype(np.float32)
+    corr = (x - np.clip(x, lo, hi)).astype(np.float64) @ wt.astype(np.float64)
+    for with_base in (True, False):
+        sess = _session(_op_model(shape, wt, lo, hi, with_base), native_kernels, threads)
+        y = sess.run(None, {"x": x, "base": base} if with_base else {"x": x})[0]
+        ref = corr + base if with_base else corr
+        assert y.shape == ref.shape and y.dtype == np.float32
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-4 * np.abs(ref).max())
+        first = y.reshape(-1, n)[0]
+        np.testing.assert_array_equal(first, base.reshape(-1, n)[0] if with_base else np.zeros(n, np.float32))
+
+
+def test_shadow_correction_nan_is_an_outlier(native_kernels):
+    """A NaN entry poisons its row (as the stock ops' correction does), and only its row."""
+    rng = np.random.default_rng(1)
+    x = rng.uniform(-1, 1, (4, 16)).astype(np.float32)
+    x[2, 5] = np.nan
+    wt = rng.standard_normal((16, 300)).astype(np.float32)
+    base = np.zeros((4, 300), np.float32)
+    y = _session(_op_model(x.shape, wt, -1.0, 1.0, True), native_kernels).run(None, {"x": x, "base": base})[0]
+    assert np.isnan(y[2]).all() and not np.isnan(y[[0, 1, 3]]).any()
+
+
+def test_shadow_correction_rejects_mismatched_shapes(native_kernels):
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    errors = (InvalidArgument, Fail, RuntimeException)
+    wt = np.zeros((8, 4), np.float32)
+    sess = _session(_op_model(("r", "k"), wt, -1.0, 1.0, True), native_kernels)
+    with pytest.raises(errors, match="ShadowCorrection: x must be"):
+        sess.run(None, {"x": np.zeros((2, 9), np.float32), "base": np.zeros((2, 4), np.float32)})
+    with pytest.raises(errors, match="ShadowCorrection: base must be"):
+        sess.run(None, {"x": np.zeros((2, 8), np.float32), "base": np.zeros((3, 4), np.float32)})
+
+
+@pytest.fixture(scope="module")
+def npu_pair(model_dirs, calib_words, tmp_path_factory, native_kernels):
+    """The tiny Llama compiled for npu twice: the corrections as stock ops, and as the native op."""
+    from llmc.compile import compile_model
+
+    root = tmp_path_factory.mktemp("native")
+    out = {}
+    for kernels in ("onnx", "native"):
+        out[kernels] = root / kernels
+        compile_model(str(model_dirs("llama")), out[kernels], target="npu", chunk=CHUNK, max_context=MAX_CONTEXT,
+                      calib_file=str(calib_words), calib_tokens=256, cpu_kernels=kernels)
+    return out
+
+
+def _ops(bundle) -> dict[str, set[str]]:
+    import onnx
+
+    m = json.loads((bundle / "manifest.json").read_text())
+    ops = {}
+    for name, g in m["graphs"].items():
+        for inst in g["instances"].values():
+            ops[f"{name}.r{inst['rows']}"] = {n.op_type for n in onnx.load(str(bundle / inst["file"]), load_external_data=False).graph.node}
+    return ops
+
+
+def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair):
+    """Same logits over a two-chunk prompt (the chunk instances) and decode (the one-row ones); every CPU
+    graph with a correction has the native op and none of the stock correction's ops."""
+    from llmc.runtime import Session
+
+    m = json.loads((npu_pair["native"] / "manifest.json").read_text())
+    assert m["cpu_kernels"] == "native" and "cpu_kernels" not in json.loads((npu_pair["onnx"] / "manifest.json").read_text())
+    native_ops, stock_ops = _ops(npu_pair["native"]), _ops(npu_pair["onnx"])
+    corrected = [g for g, ops in stock_ops.items() if "Clip" in ops]
+    assert corrected and any(g.endswith(".r1") for g in corrected) and any(not g.endswith(".r1") for g in corrected)
+    for g in corrected:
+        assert "ShadowCorrection" in native_ops[g] and not {"Clip", "TopK", "Compress", "GatherElements"} & native_ops[g], g
+    assert not any("ShadowCorrection" in ops for ops in stock_ops.values())
+
+    ids = [int(t) for t in np.random.default_rng(7).integers(4, 120, size=2 * CHUNK + 5)]
+    logits = {}
+    for kernels, bundle in npu_pair.items():
+        s = Session(bundle, "cpu")
+        s.reset()
+        logits[kernels] = [s.prefill(ids[:-4])] + [s.decode(t) for t in ids[-4:]]
+    for a, b in zip(logits["native"], logits["onnx"]):
+        np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()))
+
+
+def test_native_bundle_without_the_library_is_a_named_error(npu_pair, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+    from llmc.runtime import Session
+    from llmc.runtime.errors import NativeKernelError
+
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "empty"))
+    with pytest.raises(NativeKernelError, match="--cpu-kernels native") as e:
+        Session(npu_pair["native"], "cpu")
+    assert "llmc kernels build" in e.value.hint
+    Session(npu_pair["onnx"], "cpu")  # a stock-op bundle needs no library
+    r = CliRunner().invoke(cli, ["run", str(npu_pair["native"]), "--prompt-ids", "5,6,7", "--max-new-tokens", "2"])
+    assert r.exit_code == 11 and "llmc kernels build" in r.output
+    monkeypatch.setenv("LLMC_KERNELS", str(tmp_path / "missing.so"))
+    with pytest.raises(NativeKernelError, match=r"\$LLMC_KERNELS names .*missing.so"):
+        Session(npu_pair["native"], "cpu")
+
+
+def test_build_is_cached_and_named_errors(native_kernels, tmp_path, monkeypatch):
+    """A second build keeps the library; a missing header directory and a missing compiler are named
+    errors (exit 11) that leave no file behind."""
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+    from llmc.runtime import native
+    from llmc.runtime.errors import NativeKernelError
+
+    before = native_kernels.stat().st_mtime_ns
+    assert native.build() == native_kernels and native_kernels.stat().st_mtime_ns == before
+    assert native.library_path() == native_kernels
+    r = CliRunner().invoke(cli, ["kernels", "path"])
+    assert r.exit_code == 0 and r.output.strip() == str(native_kernels)
+
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(NativeKernelError, match="onnxruntime_cxx_api.h is not in") as e:
+        native.build(include=tmp_path)
+    assert "--ort-include" in e.value.hint
+    with pytest.raises(NativeKernelError, match=re.escape("no C++ compiler 'no-such-c++' on PATH")):
+        native.build(cxx="no-such-c++")
+    r = CliRunner().invoke(cli, ["kernels", "build", "--ort-include", str(tmp_path)])
+    assert r.exit_code == 11 and "onnxruntime_cxx_api.h" in r.output
+    r = CliRunner().invoke(cli, ["kernels", "path"])
+    assert r.exit_code == 11 and "not built" in r.output
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "onnxruntime_cxx_api.h").write_text("#error not the real header\n")
+    with pytest.raises(NativeKernelError, match="building llmc's native kernels failed"):
+        native.build(include=tmp_path / "bad")
+    assert not list((tmp_path / "cache" / "native").glob("*"))  # the failed build's temporary file is gone
+
+
+def test_cpu_kernels_needs_the_shadow_pass(model_dirs, tmp_path):
+    from llmc.compile import compile_model
+    from llmc.errors import CompileError
+
+    with pytest.raises(CompileError, match="--cpu-kernels has no effect"):
+        compile_model(str(model_dirs("llama")), tmp_path / "b", target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT, cpu_kernels="native",
+                      explicit={"cpu_kernels"})
+    with pytest.raises(CompileError, match="unknown --cpu-kernels 'fast'"):
+        compile_model(str(model_dirs("llama")), tmp_path / "b", target="npu", cpu_kernels="fast")
+    assert not (tmp_path / "b").exists()
+
+
+def test_environment_names_a_library(native_kernels, monkeypatch, tmp_path):
+    """$LLMC_KERNELS points the runtime at a library built elsewhere."""
+    from llmc.runtime import native
+
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "empty"))
+    assert native.library_path() is None
+    monkeypatch.setenv("LLMC_KERNELS", str(native_kernels))
+    assert native.library_path() == native_kernels and os.path.isfile(native.require_library())
