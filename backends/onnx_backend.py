@@ -570,13 +570,21 @@ class _DecodeBuilder(_Builder):
             attrs.update(do_rotary=1, rotary_interleaved=0)
         if a["sliding_window"]:
             attrs["local_window_size"] = int(a["sliding_window"])
-        if "k_scale" in n.weights:  # int8 cache, per-channel scales [1, kv, 1, d] (inputs 12, 13)
+        native = self.native and self.rows == 1
+        if "k_scale" in n.weights:  # int8 cache, per-channel scales [1, kv, 1, d] (GroupQueryAttention's inputs 12, 13; native: 9, 10)
             shape = (1, a["num_kv_heads"], 1, a["head_dim"])
             scales = [self.const(f"{p}.{w}", np.asarray(self.graph.weights.load(n.weights[w].name), np.float32).reshape(shape))
                       for w in ("k_scale", "v_scale")]
-            ins += [""] * (12 - len(ins)) + scales
-            attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
-        self.add("GroupQueryAttention", ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=MS_DOMAIN, **attrs)
+            ins += [""] * ((9 if native else 12) - len(ins)) + scales
+            if not native:
+                attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+        if native:
+            # llmc's native op (--cpu-kernels native): GroupQueryAttention's inputs and attributes at one row
+            attrs.pop("rotary_interleaved", None)
+            op = "DecodeAttentionInt8" if "k_scale" in n.weights else "DecodeAttention"
+            self.add(op, ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=NATIVE_DOMAIN, **attrs)
+        else:
+            self.add("GroupQueryAttention", ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=MS_DOMAIN, **attrs)
         self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([-1, hd], np.int64))], y, f"{p}.rows")
 
     def row_group(self, x: str) -> str:

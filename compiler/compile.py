@@ -54,7 +54,7 @@ _READ_BY = {
     "placement": ("--placement", ("place",), _COST),
     "profile": ("--profile", ("place",), _COST),
     "prompt_len": ("--prompt-len", ("schedule",), _COST),
-    "cpu_kernels": ("--cpu-kernels", ("extract_shadow_outliers",), _NPU),
+    "cpu_kernels": ("--cpu-kernels", ("extract_shadow_outliers", "fuse_decode_graph"), _COST),
 }
 CPU_KERNELS = ("onnx", "native")  # how the CPU's graphs compute the shadow corrections (--cpu-kernels)
 
@@ -303,14 +303,15 @@ def compile_model(
         # the corrections' float weights are inputs of the CPU's graphs: ONNX Runtime reads every initializer when it
         # loads a graph, which would page in all of them; fed by pointer, only the rows of outlier channels are touched
         shadow_t = frozenset(n.weights["weight_t"].name for n in graph.find("ShadowOutliers"))
-        native = cpu_kernels == "native" and bool(shadow_t)  # the library is needed only where there are corrections
+        decode_graph = ctx.get(DecodeGraph) if ctx.has(DecodeGraph) else None  # decode as one graph (fuse_decode_graph)
+        # the library is needed only where its ops are: shadow corrections, the decode graph's one-row attention
+        native = cpu_kernels == "native" and (bool(shadow_t) or decode_graph is not None)
         graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu",
                                           streamed=frozenset(offload["streamed"]) if offload else frozenset(),
                                           fed=frozenset(offload["resident"]) if offload else frozenset(), native=native)
         decode_plan = ctx.get(DecodePlan) if ctx.has(DecodePlan) else None  # none under a budget (fuse_cpu_decode)
         if decode_plan is not None:  # the CPU's program (decode, and CPU prefill) (fuse_cpu_decode)
             graphs.update(onnx_backend.emit_graphs(graph, decode_plan, weights, root, placement="cpu", fed=shadow_t, native=native))
-        decode_graph = ctx.get(DecodeGraph) if ctx.has(DecodeGraph) else None  # decode as one graph (fuse_decode_graph)
         if decode_graph is not None:
             graphs.update(onnx_backend.emit_decode_graph(graph, decode_graph, weights, root, fed=shadow_t, native=native))
         tok = _write_tokenizer(loaded, root)

@@ -189,13 +189,14 @@ def test_build_is_cached_and_named_errors(native_kernels, tmp_path, monkeypatch)
     assert not list((tmp_path / "cache" / "native").glob("*"))  # the failed build's temporary file is gone
 
 
-def test_cpu_kernels_needs_the_shadow_pass(model_dirs, tmp_path):
+def test_cpu_kernels_needs_a_pass_that_makes_its_ops(model_dirs, tmp_path):
+    """--cpu-kernels is refused in a pipeline with neither shadow corrections nor the decode graph."""
     from llmc.compile import compile_model
     from llmc.errors import CompileError
 
     with pytest.raises(CompileError, match="--cpu-kernels has no effect"):
         compile_model(str(model_dirs("llama")), tmp_path / "b", target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT, cpu_kernels="native",
-                      explicit={"cpu_kernels"})
+                      pipeline="dce,select_logit_rows,chunk_static_graphs,place,schedule,plan_offload", explicit={"cpu_kernels"})
     with pytest.raises(CompileError, match="unknown --cpu-kernels 'fast'"):
         compile_model(str(model_dirs("llama")), tmp_path / "b", target="npu", cpu_kernels="fast")
     assert not (tmp_path / "b").exists()
@@ -209,3 +210,61 @@ def test_environment_names_a_library(native_kernels, monkeypatch, tmp_path):
     assert native.library_path() is None
     monkeypatch.setenv("LLMC_KERNELS", str(native_kernels))
     assert native.library_path() == native_kernels and os.path.isfile(native.require_library())
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma", "phi", "qwen2"])
+def test_native_decode_attention_matches_the_stock_bundle(bundles, model_dirs, tmp_path, native_kernels, family):
+    """fp32 bundles: the decode graph's one-row attention as DecodeAttention gives GroupQueryAttention's logits,
+    past a chunk of prompt, with the node rotating q and k (llama, qwen2), a sliding window shorter than the
+    context (mistral, 12), and q/k rotated before it (gemma's head size 24, phi's partial rotary)."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    out = tmp_path / family
+    compile_model(str(model_dirs(family)), out, target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT, cpu_kernels="native")
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["cpu_kernels"] == "native"
+    ops = _ops(out)[f"{m['decode_graph']}.r1"]
+    assert "DecodeAttention" in ops and "GroupQueryAttention" not in ops
+    assert "GroupQueryAttention" in _ops(bundles(family))[f"{m['decode_graph']}.r1"]
+    ids = [int(t) for t in np.random.default_rng(11).integers(4, 120, size=CHUNK + 18)]
+    logits = {}
+    for name, bundle in (("native", out), ("stock", bundles(family))):
+        s = Session(bundle, "cpu")
+        s.reset()
+        s.prefill(ids[:CHUNK + 2])
+        logits[name] = [s.decode(t) for t in ids[CHUNK + 2:]]
+    for a, b in zip(logits["native"], logits["stock"]):
+        np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_native_decode_attention_over_an_int8_cache(model_dirs, calib_words, tmp_path, native_kernels, family):
+    """--kv-cache int8: DecodeAttentionInt8 stores and reads the codes GroupQueryAttention's quantized cache does.
+    Its float sums run in another order, so a value next to a rounding boundary can land on the neighbouring
+    code (mistral: 1 of the cache's entries); the logits agree as closely as the int8 bundle agrees with the
+    interpreter (test_quantize_kv_cache)."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    out = {}
+    for kernels in ("onnx", "native"):
+        out[kernels] = tmp_path / kernels
+        compile_model(str(model_dirs(family)), out[kernels], target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT, kv_cache="int8",
+                      calib_file=str(calib_words), calib_tokens=256, cpu_kernels=kernels)
+    m = json.loads((out["native"] / "manifest.json").read_text())
+    ops = _ops(out["native"])[f"{m['decode_graph']}.r1"]
+    assert "DecodeAttentionInt8" in ops and "GroupQueryAttention" not in ops
+    ids = [int(t) for t in np.random.default_rng(5).integers(4, 120, size=CHUNK + 18)]
+    logits, caches = {}, {}
+    for kernels, bundle in out.items():
+        s = Session(bundle, "cpu")
+        s.reset()
+        s.prefill(ids[:CHUNK + 2])
+        logits[kernels] = [s.decode(t) for t in ids[CHUNK + 2:]]
+        caches[kernels] = [np.array(a[:, :len(ids)]) for a in [*s.cache.k.values(), *s.cache.v.values()]]
+    for a, b in zip(logits["native"], logits["onnx"]):
+        np.testing.assert_allclose(a, b, atol=2e-3 * np.abs(b).max())
+    for a, b in zip(caches["native"], caches["onnx"]):
+        diff = np.abs(a.astype(np.int16) - b)
+        assert a.dtype == np.int8 and diff.max() <= 1 and np.count_nonzero(diff) <= 2e-3 * diff.size

@@ -29,7 +29,7 @@ from llmc.runtime.errors import NativeKernelError
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("shadow_correction.cc")
+SOURCE = Path(__file__).with_name("llmc_kernels.cc")
 DOMAIN = "ai.llmc"
 HEADER = "onnxruntime_cxx_api.h"
 # where ONNX Runtime's headers are looked for when neither --ort-include nor $LLMC_ORT_INCLUDE names them
