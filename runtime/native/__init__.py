@@ -1,10 +1,14 @@
 """llmc's native CPU kernels: an ONNX Runtime custom-op library built from this package's C++ source.
 
-The library holds ``ai.llmc.ShadowCorrection`` (``shadow_correction.cc``): a W8A8 projection's float
-outlier correction, ``y = base + (x - clip(x, lo, hi)) @ wt``, visiting each row's own outliers.
-ONNX Runtime's stock ops can only do it per block of rows over the block's union of outlier
-channels (``llmc.backends.onnx_backend``); bundles compiled with ``--cpu-kernels native`` use this
-op instead, and their sessions load the library.
+The library (``llmc_kernels.cc``, domain ``ai.llmc``) holds:
+
+- ``ShadowCorrection``: a W8A8 projection's float outlier correction, ``y = base + (x - clip(x, lo, hi)) @ wt``,
+  visiting each row's own outliers. ONNX Runtime's stock ops can only do it per block of rows over the
+  block's union of outlier channels (``llmc.backends.onnx_backend``).
+- ``DecodeAttention`` and ``DecodeAttentionInt8``: the decode graph's one-row attention over its bound KV
+  cache (float32, or int8 codes with per-channel scales), with ``GroupQueryAttention``'s inputs.
+
+Bundles compiled with ``--cpu-kernels native`` use these ops, and their sessions load the library.
 
 :func:`build` compiles the source with the host's C++ compiler against ONNX Runtime's C/C++ API
 headers (``onnxruntime_cxx_api.h``: ONNX Runtime's release archives have them under ``include/``,
