@@ -541,6 +541,7 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
         "chunk": m["chunk"],
         "max_context": m["max_context"],
         "pipeline": m["pipeline"],
+        "cpu_kernels": m.get("cpu_kernels", "onnx"),
         "weights": {"count": len(m["weights"]), "bytes": weight_bytes, "files": sorted({w["file"] for w in m["weights"].values()})},
         "graphs": {
             name: {"instances": sorted(int(r) for r in g["instances"]), "inputs": [f"{i['name']}[{i['features']}]" for i in g["inputs"]],
@@ -579,6 +580,8 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
     kvc = summary["kv_cache"]
     click.echo(f"kv cache   {kvc['dtype']}{' (per-channel scales, quantize_kv_cache)' if kvc['dtype'] == 'int8' else ''}, "
                f"{kvc['bytes_per_position'] / 1e3:.1f} kB per position, {kvc['bytes'] / 1e6:.1f} MB at max-context {m['max_context']}")
+    if m.get("cpu_kernels") == "native":
+        click.echo("kernels    llmc's native ops in the CPU's graphs (--cpu-kernels native): needs `llmc kernels build` where it runs")
     static = len(m["graphs"]) - (1 if m.get("decode_graph") else 0)
     click.echo(f"graphs     {static} static subgraphs{' and the decode graph' if m.get('decode_graph') else ''}, "
                f"{sum(len(g['instances']) for g in m['graphs'].values())} ONNX files, {graph_bytes / 1e3:.1f} kB (weights not included)")
@@ -742,6 +745,8 @@ def bench(bundle, prompt_len, new_tokens, repeat, prompt_file, provider, threads
     click.echo(f"  prefill  {_PREFILL_PATHS[r.prefill_path]}")
     click.echo(f"  decode   {_DECODE_PATHS[r.decode_path]}")
     click.echo(f"  kv cache {r.kv_cache}, {r.kv_cache_bytes / 1e6:.1f} MB for {sess.max_context} positions")
+    if r.native_kernels:
+        click.echo(f"  kernels  llmc's native ops (--cpu-kernels native) from {r.native_kernels}")
     if r.int8_kernels:
         click.echo(f"  int8     {_INT8_KERNELS[r.int8_kernels]}")
     if r.offload:

@@ -53,6 +53,7 @@ class BenchResult:
     int8_kernels: str | None = None  # Session.int8_kernels: "u8s8", "u8u8", or None without W8A8 weights
     prefill_path: str = ""  # Session.prefill_path: what ran the prompt's chunks
     prompt: str = ""  # where the prompt's tokens came from (Prompt.source)
+    native_kernels: str | None = None  # the library of llmc's native ops a --cpu-kernels native bundle ran, else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,7 @@ def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat:
         session.int8_kernels,
         prefill_path=session.prefill_path,
         prompt=prompt.source,
+        native_kernels=str(session.native_kernels) if session.native_kernels is not None else None,
     )
 
 

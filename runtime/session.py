@@ -176,7 +176,7 @@ class Session:
         self.graphs = m["graphs"]
         self._threads = threads or os.cpu_count() or 1
         # a bundle compiled with --cpu-kernels native: its CPU graphs hold llmc's native op (the library, or a named error now)
-        self._native = native.require_library() if m.get("cpu_kernels") == "native" else None
+        self.native_kernels = native.require_library() if m.get("cpu_kernels") == "native" else None
         # budgeted bundles: resident arrays + row tables, streamed weights fed per run
         self.residency = Residency(self.bundle, m, prefetch=prefetch) if "offload" in m else None
         self._weights: dict[str, Any] = self.residency.weights if self.residency else map_weights(self.bundle, m["weights"])
@@ -451,8 +451,8 @@ class Session:
         # int4 108 vs 74 tok/s, W8A8 67 vs 49; without spinning one thread beat two).
         spin = graph == self._decode_graph
         int8_session_options(so)
-        if self._native is not None:
-            so.register_custom_ops_library(str(self._native))
+        if self.native_kernels is not None:
+            so.register_custom_ops_library(str(self.native_kernels))
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         if spin and rows > 1:
             # The decode graph's chunk instance (prefill, one call per chunk) spins too while it runs, but stops when

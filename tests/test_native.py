@@ -139,12 +139,19 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair):
 
 
 def test_native_bundle_without_the_library_is_a_named_error(npu_pair, tmp_path, monkeypatch):
+    """inspect and bench name the native kernels; without the library a Session and `llmc run` fail with exit 11."""
     from click.testing import CliRunner
 
     from llmc.cli import cli
-    from llmc.runtime import Session
+    from llmc.runtime import Session, native
     from llmc.runtime.errors import NativeKernelError
 
+    r = CliRunner().invoke(cli, ["inspect", str(npu_pair["native"]), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["cpu_kernels"] == "native"
+    r = CliRunner().invoke(cli, ["bench", str(npu_pair["native"]), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["native_kernels"] == str(native.library_path())
+    r = CliRunner().invoke(cli, ["bench", str(npu_pair["onnx"]), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["native_kernels"] is None
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "empty"))
     with pytest.raises(NativeKernelError, match="--cpu-kernels native") as e:
         Session(npu_pair["native"], "cpu")
