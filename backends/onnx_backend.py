@@ -68,7 +68,8 @@ log = logging.getLogger(__name__)
 
 OPSET = 23
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
-NATIVE_DOMAIN = "ai.llmc"  # llmc's native CPU kernels (llmc.runtime.native: ShadowCorrection)
+NATIVE_DOMAIN = "ai.llmc"  # llmc's native CPU kernels (llmc.runtime.native: ShadowCorrection, DecodeAttention)
+NATIVE_MAX_GROUP = 16  # query heads per KV head that DecodeAttention takes (kMaxGroup); more keep GroupQueryAttention
 WEIGHTS_FILE = "weights/weights.bin"
 DECODE_SEQLENS, DECODE_TOTAL = "seqlens_k", "total_len"  # the decode graph's cache-length inputs
 DECODE_LOGIT_ROWS = "logit_rows"  # its chunk instance's rows that need logits (int64 [k])
@@ -570,7 +571,7 @@ class _DecodeBuilder(_Builder):
             attrs.update(do_rotary=1, rotary_interleaved=0)
         if a["sliding_window"]:
             attrs["local_window_size"] = int(a["sliding_window"])
-        native = self.native and self.rows == 1
+        native = self.native and self.rows == 1 and a["num_heads"] // a["num_kv_heads"] <= NATIVE_MAX_GROUP
         if "k_scale" in n.weights:  # int8 cache, per-channel scales [1, kv, 1, d] (GroupQueryAttention's inputs 12, 13; native: 9, 10)
             shape = (1, a["num_kv_heads"], 1, a["head_dim"])
             scales = [self.const(f"{p}.{w}", np.asarray(self.graph.weights.load(n.weights[w].name), np.float32).reshape(shape))

@@ -239,7 +239,7 @@ def kernels() -> None:
 @click.option("--ort-include", type=click.Path(file_okay=False), default=None,
               help="Directory holding ONNX Runtime's onnxruntime_c_api.h and onnxruntime_cxx_api.h (default: $LLMC_ORT_INCLUDE, "
                    "else /usr/include/onnxruntime, /usr/local/include/onnxruntime, /usr/local/include).")
-@click.option("--cxx", default=None, help="C++ compiler (default: $CXX, else g++).")
+@click.option("--cxx", default=None, help="C++ compiler: GCC, which the source is written for (default: $CXX, else g++).")
 @click.option("--force", is_flag=True, help="Rebuild even when the library is up to date.")
 @_guard
 def kernels_build(ort_include, cxx, force):

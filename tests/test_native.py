@@ -164,6 +164,15 @@ def test_native_bundle_without_the_library_is_a_named_error(npu_pair, tmp_path, 
         Session(npu_pair["native"], "cpu")
 
 
+def test_library_name_is_keyed_by_the_cpu(monkeypatch):
+    """-march=native builds for one CPU: another CPU's signature names another library."""
+    from llmc.runtime import native
+
+    name = native.library_name()
+    monkeypatch.setattr(native, "cpu_signature", lambda: "another cpu")
+    assert native.library_name() != name and native.library_name().startswith("libllmc_kernels-")
+
+
 def test_build_is_cached_and_named_errors(native_kernels, tmp_path, monkeypatch):
     """A second build keeps the library; a missing header directory and a missing compiler are named
     errors (exit 11) that leave no file behind."""
@@ -275,3 +284,78 @@ def test_native_decode_attention_over_an_int8_cache(model_dirs, calib_words, tmp
     for a, b in zip(caches["native"], caches["onnx"]):
         diff = np.abs(a.astype(np.int16) - b)
         assert a.dtype == np.int8 and diff.max() <= 1 and np.count_nonzero(diff) <= 2e-3 * diff.size
+
+
+def test_more_than_16_query_heads_per_kv_head_keep_group_query_attention(tmp_path, native_kernels):
+    """DecodeAttention takes up to 16 query heads per KV head; a model with more (32 heads, 1 KV head) keeps
+    GroupQueryAttention in its native bundle, and the op refuses such a node when its session loads."""
+    import torch
+    import transformers as T
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    from conftest import COMMON, make_tokenizer
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    torch.manual_seed(0)
+    src = tmp_path / "mqa"
+    T.AutoModelForCausalLM.from_config(T.LlamaConfig(**{**COMMON, "hidden_size": 256, "num_attention_heads": 32,
+                                                        "num_key_value_heads": 1})).save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    out = tmp_path / "b"
+    compile_model(str(src), out, target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT, cpu_kernels="native")
+    m = json.loads((out / "manifest.json").read_text())
+    ops = _ops(out)[f"{m['decode_graph']}.r1"]
+    assert "GroupQueryAttention" in ops and "DecodeAttention" not in ops
+    s = Session(out, "cpu")
+    s.reset()
+    s.prefill([5, 6, 7])
+    assert np.isfinite(s.decode(8)).all()
+
+    from onnx import TensorProto, helper
+
+    vi = helper.make_tensor_value_info
+    node = helper.make_node("DecodeAttention", ["q", "", "", "pk", "pv", "seqlens", "total"], ["o", "ck", "cv"], domain="ai.llmc",
+                            num_heads=34, kv_num_heads=2, scale=1.0)
+    g = helper.make_graph([node], "g", [vi("q", TensorProto.FLOAT, [1, 1, 34 * 8 + 4 * 8]), vi("pk", TensorProto.FLOAT, [1, 2, 4, 8]),
+                                        vi("pv", TensorProto.FLOAT, [1, 2, 4, 8]), vi("seqlens", TensorProto.INT32, [1]),
+                                        vi("total", TensorProto.INT32, [])],
+                          [vi("o", TensorProto.FLOAT, None), vi("ck", TensorProto.FLOAT, None), vi("cv", TensorProto.FLOAT, None)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)])
+    with pytest.raises((Fail, InvalidArgument, RuntimeException), match="kv_num_heads times 1 to 16"):
+        _session(model, native_kernels).run(None, {"q": np.zeros((1, 1, 34 * 8 + 4 * 8), np.float32), "pk": np.zeros((1, 2, 4, 8), np.float32),
+                                                   "pv": np.zeros((1, 2, 4, 8), np.float32), "seqlens": np.zeros(1, np.int32),
+                                                   "total": np.ones((), np.int32)})
+
+
+def test_decode_attention_against_numpy(native_kernels):
+    """DecodeAttention alone, q/k/v separate, no rotary, 300 positions (3 split-K blocks, a partial one): the
+    new K/V row lands at seqlens_k, the output is softmax(q k^T * scale) v per head over the group's KV
+    head, and a NaN in one head's query makes that head's output NaN and no other's."""
+    from onnx import TensorProto, helper
+
+    heads, kv, d, cap, p = 4, 2, 16, 320, 299
+    vi = helper.make_tensor_value_info
+    node = helper.make_node("DecodeAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["o", "ck", "cv"], domain="ai.llmc",
+                            num_heads=heads, kv_num_heads=kv, scale=0.25)
+    g = helper.make_graph([node], "g", [vi("q", TensorProto.FLOAT, [1, 1, heads * d]), vi("k", TensorProto.FLOAT, [1, 1, kv * d]),
+                                        vi("v", TensorProto.FLOAT, [1, 1, kv * d]), vi("pk", TensorProto.FLOAT, [1, kv, cap, d]),
+                                        vi("pv", TensorProto.FLOAT, [1, kv, cap, d]), vi("seqlens", TensorProto.INT32, [1]),
+                                        vi("total", TensorProto.INT32, [])],
+                          [vi("o", TensorProto.FLOAT, None), vi("ck", TensorProto.FLOAT, None), vi("cv", TensorProto.FLOAT, None)])
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 1, n * d)).astype(np.float32) for n in (heads, kv, kv))
+    pk, pv = (rng.standard_normal((1, kv, cap, d)).astype(np.float32) for _ in range(2))
+    feeds = {"q": q, "k": k, "v": v, "pk": pk, "pv": pv, "seqlens": np.array([p], np.int32), "total": np.array(p + 1, np.int32)}
+    o, ck, cv = sess.run(None, feeds)
+    K, V = pk[0].copy(), pv[0].copy()
+    K[:, p], V[:, p] = k.reshape(kv, d), v.reshape(kv, d)
+    np.testing.assert_array_equal(ck[0, :, p], K[:, p])
+    for h in range(heads):
+        s = K[h // 2, : p + 1] @ q.reshape(heads, d)[h] * 0.25
+        w = np.exp(s - s.max())
+        np.testing.assert_allclose(o.reshape(heads, d)[h], (w / w.sum()) @ V[h // 2, : p + 1], rtol=1e-4, atol=1e-5)
+    q[0, 0, 3] = np.nan
+    o = sess.run(None, {**feeds, "q": q})[0].reshape(heads, d)
+    assert np.isnan(o[0]).all() and np.isfinite(o[1:]).all()

@@ -14,7 +14,8 @@ Bundles compiled with ``--cpu-kernels native`` use these ops, and their sessions
 headers (``onnxruntime_cxx_api.h``: ONNX Runtime's release archives have them under ``include/``,
 Debian's ``libonnxruntime-dev`` under ``/usr/include/onnxruntime``). The library is built for this
 CPU (``-march=native``) into ``$LLMC_CACHE_DIR/native`` (default ``~/.cache/llmc/native``), under a
-name keyed by the source, the flags and the compiler, so an edited source is rebuilt, never mixed up.
+name keyed by the source, the flags and the CPU, so an edited source is rebuilt, and a cache shared by
+machines of different CPUs holds one library for each.
 It calls ONNX Runtime only through the API table it is handed when registered, so it links to no
 ONNX Runtime library and any ONNX Runtime with that API version or a later one loads it.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -55,16 +57,28 @@ def _compiler(cxx: str | None) -> str:
     return path
 
 
-def _compiler_version(cxx: str) -> str:
+def cpu_signature() -> str:
+    """What ``-march=native`` builds for: this CPU's vendor, model and feature flags (Linux), else its
+    architecture. Part of the library's name, so a cache shared between machines never hands one CPU a
+    library built for another."""
     try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[0]
-    except (OSError, IndexError):
-        return cxx
+        with open("/proc/cpuinfo") as f:
+            fields = {}
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("vendor_id", "model name", "flags", "Features", "CPU implementer", "CPU part") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
+                    break
+        return repr(sorted(fields.items()))
+    except OSError:
+        return platform.machine()
 
 
-def library_name(cxx: str) -> str:
-    """The library's file name: keyed by the source, the flags and the compiler."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _compiler_version(cxx).encode()).hexdigest()[:16]
+def library_name() -> str:
+    """The library's file name: keyed by the source, the flags and the CPU it is built for."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + cpu_signature().encode()).hexdigest()[:16]
     return f"libllmc_kernels-{key}.so"
 
 
@@ -84,17 +98,13 @@ def find_headers(include: str | Path | None = None) -> Path:
 
 
 def library_path() -> Path | None:
-    """The built library for the current source, or None when it is not built (``$LLMC_KERNELS`` names
-    a library to use instead)."""
+    """The built library for the current source and CPU, or None when it is not built (``$LLMC_KERNELS``
+    names a library to use instead)."""
     given = os.environ.get("LLMC_KERNELS")
     if given:
         return Path(given) if Path(given).is_file() else None
-    cxx = shutil.which(os.environ.get("CXX") or "g++")
-    if cxx is not None:
-        path = cache_dir() / library_name(cxx)
-        return path if path.is_file() else None
-    built = sorted(cache_dir().glob("libllmc_kernels-*.so"), key=lambda p: p.stat().st_mtime)
-    return built[-1] if built else None  # no compiler here: the newest library built
+    path = cache_dir() / library_name()
+    return path if path.is_file() else None
 
 
 def require_library() -> Path:
@@ -113,10 +123,12 @@ def require_library() -> Path:
 
 def build(include: str | Path | None = None, cxx: str | None = None, force: bool = False) -> Path:
     """Compile the kernels for this CPU into :func:`cache_dir`; return the library's path. An
-    up-to-date library is kept unless ``force``. The library appears whole or not at all."""
+    up-to-date library (same source, flags and CPU) is kept unless ``force``: rebuild with it after
+    changing the compiler or ONNX Runtime's headers. The library appears whole or not at all. GCC is
+    the compiler it is written for (vector extensions, ``__builtin_shuffle``)."""
     compiler = _compiler(cxx)
     headers = find_headers(include)
-    out = cache_dir() / library_name(compiler)
+    out = cache_dir() / library_name()
     if out.is_file() and not force:
         log.info("native kernels are up to date: %s", out)
         return out

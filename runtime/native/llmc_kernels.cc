@@ -334,7 +334,16 @@ void attend_block(void* data, size_t t) {
   for (int64_t h = 0; h < job.group; ++h) {
     const int64_t slot = (g * job.group + h) * job.blocks + b;
     float top = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) top = std::max(top, s[h][i]);
+    bool nan = false;  // a NaN score makes the head's output NaN (as in GroupQueryAttention), not garbage from the exp
+    for (int64_t i = 0; i < n; ++i) {
+      top = std::max(top, s[h][i]);
+      nan |= s[h][i] != s[h][i];
+    }
+    if (nan) {
+      job.m[slot] = job.l[slot] = NAN;
+      std::fill(job.o + slot * d, job.o + (slot + 1) * d, NAN);
+      continue;
+    }
     float sum = 0.0f;
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
@@ -392,8 +401,8 @@ struct AttentionKernel {
     scale = ki.GetAttribute<float>("scale");
     rotary = attribute_or(ki, "do_rotary", 0);
     window = attribute_or(ki, "local_window_size", -1);
-    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0)
-      throw Ort::Exception("DecodeAttention: num_heads must be a positive multiple of kv_num_heads", ORT_INVALID_ARGUMENT);
+    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup)
+      throw Ort::Exception("DecodeAttention: num_heads must be kv_num_heads times 1 to 16", ORT_INVALID_ARGUMENT);
   }
 
   void Compute(OrtKernelContext* context) {
@@ -411,13 +420,18 @@ struct AttentionKernel {
     const int64_t p = seqlens.GetTensorData<int32_t>()[0];
     if (p < 0 || p >= c)
       throw Ort::Exception("DecodeAttention: seqlens_k is outside the cache's capacity", ORT_INVALID_ARGUMENT);
+    if (!packed && (!present(2) || ctx.GetInput(1).GetTensorTypeAndShapeInfo().GetElementCount() != kvd ||
+                    ctx.GetInput(2).GetTensorTypeAndShapeInfo().GetElementCount() != kvd))
+      throw Ort::Exception("DecodeAttention: key and value must both be [1, 1, kv_num_heads * head_size]", ORT_INVALID_ARGUMENT);
     const float* qsrc = query.GetTensorData<float>();
     const float* ksrc = packed ? qsrc + hd : ctx.GetInput(1).GetTensorData<float>();
     const float* vsrc = packed ? qsrc + hd + kvd : ctx.GetInput(2).GetTensorData<float>();
     std::vector<float> q(qsrc, qsrc + hd), k(ksrc, ksrc + kvd);
     if (rotary != 0) {
-      if (!present(7) || !present(8))
-        throw Ort::Exception("DecodeAttention: do_rotary needs cos_cache and sin_cache", ORT_INVALID_ARGUMENT);
+      if (!present(7) || !present(8) || ctx.GetInput(7).GetTensorTypeAndShapeInfo().GetElementCount() < (p + 1) * (d / 2) ||
+          ctx.GetInput(8).GetTensorTypeAndShapeInfo().GetElementCount() < (p + 1) * (d / 2))
+        throw Ort::Exception("DecodeAttention: do_rotary needs cos_cache and sin_cache [positions, head_size / 2] past seqlens_k",
+                             ORT_INVALID_ARGUMENT);
       const float* cos = ctx.GetInput(7).GetTensorData<float>() + p * (d / 2);
       const float* sin = ctx.GetInput(8).GetTensorData<float>() + p * (d / 2);
       rotate(q.data(), heads, d, cos, sin);
@@ -454,8 +468,6 @@ struct AttentionKernel {
         for (int64_t j = 0; j < d; ++j) q[h * d + j] *= k_scale[(h / (heads / kv_heads)) * d + j];
     const int64_t total = p + 1, start = window > 0 ? std::max<int64_t>(0, total - window) : 0;
     const int64_t group = heads / kv_heads, blocks = (total - start + kPositions - 1) / kPositions;
-    if (group > kMaxGroup)
-      throw Ort::Exception("DecodeAttention: more than 16 query heads per KV head", ORT_INVALID_ARGUMENT);
     std::vector<float> m(static_cast<size_t>(heads * blocks)), l(m.size()), o(m.size() * static_cast<size_t>(d));
     AttentionJob<T> job{q.data(), kc, vc, v_scale, group, c, d, start, total, blocks, scale, m.data(), l.data(), o.data()};
     const size_t tasks = static_cast<size_t>(kv_heads * blocks);
