@@ -62,13 +62,13 @@ from llmc.errors import UnsupportedModelError
 from llmc.ir import Graph, Node, Value, WeightRef
 from llmc.ops import sliced_whole
 from llmc.runtime.kernels import shadow_blocks
+from llmc.runtime.native import DOMAIN as NATIVE_DOMAIN  # llmc's native CPU kernels (ShadowCorrection, DecodeAttention)
 from llmc.runtime.ort_attention import node_rotates
 
 log = logging.getLogger(__name__)
 
 OPSET = 23
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
-NATIVE_DOMAIN = "ai.llmc"  # llmc's native CPU kernels (llmc.runtime.native: ShadowCorrection, DecodeAttention)
 NATIVE_MAX_GROUP = 16  # query heads per KV head that DecodeAttention takes (kMaxGroup); more keep GroupQueryAttention
 WEIGHTS_FILE = "weights/weights.bin"
 DECODE_SEQLENS, DECODE_TOTAL = "seqlens_k", "total_len"  # the decode graph's cache-length inputs
@@ -107,7 +107,7 @@ class _Builder:
         from onnx import helper
 
         self.helper = helper
-        self.native = native  # shadow corrections as llmc's native op (--cpu-kernels native), not as stock ops
+        self.native = native  # llmc's native ops (--cpu-kernels native): shadow corrections, one-row attention
         self.graph = graph
         self.sub = sub
         self.rows = rows
@@ -302,12 +302,12 @@ class _Builder:
         a, p = n.attrs, n.name
         src = self.whole_source(n)
         if src is not None or len(y) == 1:
-            out = whole_name(n) if src is not None else y[0]
+            base, out = (src.name, whole_name(n)) if src is not None else (x[1], y[0])
             if self.native:
-                self.native_op(n, x[0], [src.name if src is not None else x[1]], out)
+                self.native_op(n, x[0], [base], out)
             else:
                 self.shadow_correction(n, x[0])
-                self.add("Add", [src.name if src is not None else x[1], f"{p}.corr"], [out], f"{p}.add")
+                self.add("Add", [base, f"{p}.corr"], [out], f"{p}.add")
             if src is not None:
                 start = 0
                 for v, width in zip(n.outputs, a["splits"]):
@@ -631,7 +631,7 @@ def emit_graphs(graph: Graph, plan: ChunkPlan | DecodePlan, weights: dict[str, d
     feeds them. The graph's entry lists them under ``"streamed"``. Weights in
     ``fed`` become graph inputs too, fed from the runtime's resident memory
     (listed under ``"fed"``). ``native`` writes the shadow corrections as llmc's native op
-    (``--cpu-kernels native``).
+    (``--cpu-kernels native``, as :func:`emit_decode_graph` also writes the one-row attention).
     """
 
     table: dict[str, dict[str, Any]] = {}

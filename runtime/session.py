@@ -175,7 +175,7 @@ class Session:
         self.program = m["program"]
         self.graphs = m["graphs"]
         self._threads = threads or os.cpu_count() or 1
-        # a bundle compiled with --cpu-kernels native: its CPU graphs hold llmc's native op (the library, or a named error now)
+        # a bundle compiled with --cpu-kernels native: its CPU graphs hold llmc's native ops (the library, or a named error now)
         self.native_kernels = native.require_library() if m.get("cpu_kernels") == "native" else None
         # budgeted bundles: resident arrays + row tables, streamed weights fed per run
         self.residency = Residency(self.bundle, m, prefetch=prefetch) if "offload" in m else None

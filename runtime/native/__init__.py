@@ -10,7 +10,7 @@ The library (``llmc_kernels.cc``, domain ``ai.llmc``) holds:
 
 Bundles compiled with ``--cpu-kernels native`` use these ops, and their sessions load the library.
 
-:func:`build` compiles the source with the host's C++ compiler against ONNX Runtime's C/C++ API
+:func:`build` compiles the source with the host's GCC against ONNX Runtime's C/C++ API
 headers (``onnxruntime_cxx_api.h``: ONNX Runtime's release archives have them under ``include/``,
 Debian's ``libonnxruntime-dev`` under ``/usr/include/onnxruntime``). The library is built for this
 CPU (``-march=native``) into ``$LLMC_CACHE_DIR/native`` (default ``~/.cache/llmc/native``), under a
@@ -36,7 +36,7 @@ from llmc.runtime.errors import NativeKernelError
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("llmc_kernels.cc")
-DOMAIN = "ai.llmc"
+DOMAIN = "ai.llmc"  # the ops' domain in the bundles' graphs
 HEADER = "onnxruntime_cxx_api.h"
 # where ONNX Runtime's headers are looked for when neither --ort-include nor $LLMC_ORT_INCLUDE names them
 INCLUDE_DIRS = (Path("/usr/include/onnxruntime"), Path("/usr/local/include/onnxruntime"), Path("/usr/local/include"))

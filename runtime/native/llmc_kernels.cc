@@ -31,7 +31,6 @@
 #include <cmath>
 #include <cstdint>
 #include <mutex>
-#include <string>
 #include <type_traits>
 #include <vector>
 
