@@ -63,13 +63,13 @@ from llmc.ir import Graph, Node, Value, WeightRef
 from llmc.ops import sliced_whole
 from llmc.runtime.kernels import shadow_blocks
 from llmc.runtime.native import DOMAIN as NATIVE_DOMAIN  # llmc's native CPU kernels (ShadowCorrection, DecodeAttention)
+from llmc.runtime.native import attention_takes
 from llmc.runtime.ort_attention import node_rotates
 
 log = logging.getLogger(__name__)
 
 OPSET = 23
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
-NATIVE_MAX_GROUP = 16  # query heads per KV head that DecodeAttention takes (kMaxGroup); more keep GroupQueryAttention
 WEIGHTS_FILE = "weights/weights.bin"
 DECODE_SEQLENS, DECODE_TOTAL = "seqlens_k", "total_len"  # the decode graph's cache-length inputs
 DECODE_LOGIT_ROWS = "logit_rows"  # its chunk instance's rows that need logits (int64 [k])
@@ -571,7 +571,7 @@ class _DecodeBuilder(_Builder):
             attrs.update(do_rotary=1, rotary_interleaved=0)
         if a["sliding_window"]:
             attrs["local_window_size"] = int(a["sliding_window"])
-        native = self.native and self.rows == 1 and a["num_heads"] // a["num_kv_heads"] <= NATIVE_MAX_GROUP
+        native = self.native and attention_takes(a["num_heads"], a["num_kv_heads"], a["head_dim"], self.rows)
         if "k_scale" in n.weights:  # int8 cache, per-channel scales [1, kv, 1, d] (GroupQueryAttention's inputs 12, 13; native: 9, 10)
             shape = (1, a["num_kv_heads"], 1, a["head_dim"])
             scales = [self.const(f"{p}.{w}", np.asarray(self.graph.weights.load(n.weights[w].name), np.float32).reshape(shape))
@@ -580,7 +580,7 @@ class _DecodeBuilder(_Builder):
             if not native:
                 attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
         if native:
-            # llmc's native op (--cpu-kernels native): GroupQueryAttention's inputs and attributes at one row
+            # llmc's native op (--cpu-kernels native): GroupQueryAttention's inputs and attributes
             attrs.pop("rotary_interleaved", None)
             op = "DecodeAttentionInt8" if "k_scale" in n.weights else "DecodeAttention"
             self.add(op, ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=NATIVE_DOMAIN, **attrs)

@@ -250,7 +250,7 @@ def compile_model(
             log.warning("cannot use the cache directory %s (%s); compiling without a cache", cache, e.strerror or e)
             quant_options["cache_dir"] = None
     try:
-        options = CompileOptions(target=target, chunk=chunk, max_context=max_context, **quant_options)
+        options = CompileOptions(target=target, chunk=chunk, max_context=max_context, cpu_kernels=cpu_kernels, **quant_options)
     except TypeError as e:
         raise CompileError(f"unknown compile option: {e}") from None
     if "quantize_int4" in names:

@@ -55,6 +55,7 @@ class CompileOptions:
     prompt_len: int | None = None  # prompt the schedule's timelines are reported for; None = max_context
     memory_budget: int | None = None  # bytes of weights that may stay resident; None = all
     prefetch_depth: int = 2  # streamed steps read ahead of the one running
+    cpu_kernels: str = "onnx"  # "onnx" | "native": the ops of the CPU's graphs (llmc.runtime.native's with --cpu-kernels native)
 
 
 @dataclasses.dataclass(frozen=True)

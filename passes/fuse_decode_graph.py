@@ -30,7 +30,9 @@ C (``Subgraph.dynamic_rows``): prefill as one call per chunk, the nodes appendin
 the chunk's K/V rows and attending over the positions before them, ``SelectRows``
 a ``Gather`` of the rows that need logits (a graph input). On SmolLM2 that beats
 the per-layer calls of the CPU program by 21-25% at 512 tokens (W8A8). Layers the
-node cannot take a chunk for keep the other programs' prefill (``why_not_chunks``).
+node cannot take a chunk for keep the other programs' prefill (``why_not_chunks``); with
+``--cpu-kernels native`` llmc's attention op also takes a chunk over an int8 cache
+and in a sliding window.
 
 It applies when every dynamic op has such a lowering and the attention layers
 take their rotation from one rotary table fed by the positions. Otherwise, or
@@ -51,6 +53,7 @@ from llmc.analyses import DecodeGraph, Subgraph
 from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
 from llmc.runtime.ort_attention import GQA_HEAD_MULTIPLE, node_rotates
+from llmc.runtime.native import attention_takes
 
 log = logging.getLogger(__name__)
 
@@ -88,18 +91,23 @@ def why_not(graph: Graph) -> str | None:
     return None
 
 
-def why_not_chunks(graph: Graph) -> str | None:
+def why_not_chunks(graph: Graph, native: bool = False) -> str | None:
     """Why the decode graph cannot also take a chunk of rows (prefill as one call per chunk), or None.
 
     Its chunk instance needs attention nodes that rotate q and k themselves (the graph then needs no
     positions), over a float32 cache (ONNX Runtime's int8-cache kernel is several times slower for a
-    chunk than attending over a dequantized copy, as the runtime does), without a sliding window."""
+    chunk than attending over a dequantized copy, as the runtime does), without a sliding window. With
+    llmc's native kernels (``native``: --cpu-kernels native), nodes that its attention op takes at chunk
+    rows may have an int8 cache or a window: the op attends over the int8 codes and in the window itself."""
     for n in graph.find("Attention"):
-        if not node_rotates(n.attrs["rotary_dim"], n.attrs["head_dim"]):
-            return f"{n.name} rotates {n.attrs['rotary_dim']} of {n.attrs['head_dim']} dims"
+        a = n.attrs
+        if not node_rotates(a["rotary_dim"], a["head_dim"]):
+            return f"{n.name} rotates {a['rotary_dim']} of {a['head_dim']} dims"
+        if native and attention_takes(a["num_heads"], a["num_kv_heads"], a["head_dim"], rows=2):
+            continue
         if "k_scale" in n.weights:
             return f"{n.name} has an int8 KV cache"
-        if n.attrs["sliding_window"]:
+        if a["sliding_window"]:
             return f"{n.name} attends in a sliding window"
     return None
 
@@ -125,7 +133,7 @@ class FuseDecodeGraph(Pass):
             weights += [r.name for r in n.weights.values() if r.name not in weights]
         inputs = tuple(dict.fromkeys(v.name for n in graph.nodes if n.op in EMBEDDINGS for v in n.outputs))
         chunk = ctx.options.chunk
-        why_no_chunk = why_not_chunks(graph) if chunk > 1 else "the chunk is one row"
+        why_no_chunk = why_not_chunks(graph, ctx.options.cpu_kernels == "native") if chunk > 1 else "the chunk is one row"
         rows = (1,) if why_no_chunk else (1, chunk)
         sub = Subgraph("decode_model", tuple(n.name for n in members), inputs, tuple(v.name for v in graph.outputs), tuple(weights), rows,
                        dynamic_rows=len(rows) > 1)

@@ -228,7 +228,7 @@ def test_schedule_prices_prefill_ending_in_the_decode_graph(tmp_path, monkeypatc
     from llmc.passes import DEFAULT_PIPELINES, fuse_decode_graph
     from llmc.passes.place import cost_model
 
-    monkeypatch.setattr(fuse_decode_graph, "why_not_chunks", lambda graph: "a model whose attention cannot take a chunk")
+    monkeypatch.setattr(fuse_decode_graph, "why_not_chunks", lambda graph, native=False: "a model whose attention cannot take a chunk")
     g, ctx = plan_small(tmp_path, pipeline=DEFAULT_PIPELINES["plan-cpu"], target="cpu", prompt_len=n)
     s = ctx.get(Schedule)
     assert len({t.chunk for t in s.chosen.tasks}) == chunks
@@ -320,7 +320,7 @@ def test_schedule_prices_the_last_chunk_at_its_own_rows(tmp_path, monkeypatch):
     from llmc.passes import DEFAULT_PIPELINES, fuse_decode_graph
     from llmc.passes.place import cost_model
 
-    monkeypatch.setattr(fuse_decode_graph, "why_not_chunks", lambda graph: "a model whose attention cannot take a chunk")
+    monkeypatch.setattr(fuse_decode_graph, "why_not_chunks", lambda graph, native=False: "a model whose attention cannot take a chunk")
     g, ctx = plan_small(tmp_path, pipeline=DEFAULT_PIPELINES["plan-cpu"], target="cpu", prompt_len=300)
     plan, cm = ctx.get(ChunkPlan), cost_model(g, ctx)
     assert all(s.dynamic_rows for s in plan.subgraphs)

@@ -230,9 +230,10 @@ def test_environment_names_a_library(native_kernels, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma", "phi", "qwen2"])
 def test_native_decode_attention_matches_the_stock_bundle(bundles, model_dirs, tmp_path, native_kernels, family):
-    """fp32 bundles: the decode graph's one-row attention as DecodeAttention gives GroupQueryAttention's logits,
-    past a chunk of prompt, with the node rotating q and k (llama, qwen2), a sliding window shorter than the
-    context (mistral, 12), and q/k rotated before it (gemma's head size 24, phi's partial rotary)."""
+    """fp32 bundles: the decode graph's attention as DecodeAttention (one row, and the chunk instance's rows
+    where there is one) gives GroupQueryAttention's logits, past a chunk of prompt, with the node rotating q
+    and k (llama, qwen2), a sliding window shorter than the context (mistral, 12), and q/k rotated before it
+    (gemma's head size 24, phi's partial rotary)."""
     from llmc.compile import compile_model
     from llmc.runtime import Session
 
@@ -243,6 +244,11 @@ def test_native_decode_attention_matches_the_stock_bundle(bundles, model_dirs, t
     ops = _ops(out)[f"{m['decode_graph']}.r1"]
     assert "DecodeAttention" in ops and "GroupQueryAttention" not in ops
     assert "GroupQueryAttention" in _ops(bundles(family))[f"{m['decode_graph']}.r1"]
+    # the chunk instance (prefill, where the node rotates q and k) too, mistral's in its window (the stock bundle
+    # has no chunk instance for a window)
+    chunk_ops = _ops(out).get(f"{m['decode_graph']}.r{CHUNK}")
+    assert (chunk_ops is not None) == (family in ("llama", "qwen2", "mistral"))
+    assert chunk_ops is None or ("DecodeAttention" in chunk_ops and "GroupQueryAttention" not in chunk_ops)
     ids = [int(t) for t in np.random.default_rng(11).integers(4, 120, size=CHUNK + 18)]
     logits = {}
     for name, bundle in (("native", out), ("stock", bundles(family))):
@@ -256,7 +262,8 @@ def test_native_decode_attention_matches_the_stock_bundle(bundles, model_dirs, t
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_native_decode_attention_over_an_int8_cache(model_dirs, calib_words, tmp_path, native_kernels, family):
-    """--kv-cache int8: DecodeAttentionInt8 stores and reads the codes GroupQueryAttention's quantized cache does.
+    """--kv-cache int8: DecodeAttentionInt8 (the prompt's chunk and each token) stores and reads the codes the
+    stock bundle's program and GroupQueryAttention's quantized cache do.
     Its float sums run in another order, so a value next to a rounding boundary can land on the neighbouring
     code (mistral: 1 of the cache's entries); the logits agree as closely as the int8 bundle agrees with the
     interpreter (test_quantize_kv_cache)."""
@@ -271,6 +278,9 @@ def test_native_decode_attention_over_an_int8_cache(model_dirs, calib_words, tmp
     m = json.loads((out["native"] / "manifest.json").read_text())
     ops = _ops(out["native"])[f"{m['decode_graph']}.r1"]
     assert "DecodeAttentionInt8" in ops and "GroupQueryAttention" not in ops
+    # the prompt's chunk too: the native bundle's decode graph has a chunk instance over the int8 cache, the stock one none
+    assert "DecodeAttentionInt8" in _ops(out["native"])[f"{m['decode_graph']}.r{CHUNK}"]
+    assert f"{m['decode_graph']}.r{CHUNK}" not in _ops(out["onnx"])
     ids = [int(t) for t in np.random.default_rng(5).integers(4, 120, size=CHUNK + 18)]
     logits, caches = {}, {}
     for kernels, bundle in out.items():
@@ -359,3 +369,48 @@ def test_decode_attention_against_numpy(native_kernels):
     q[0, 0, 3] = np.nan
     o = sess.run(None, {**feeds, "q": q})[0].reshape(heads, d)
     assert np.isnan(o[0]).all() and np.isfinite(o[1:]).all()
+
+
+@pytest.mark.parametrize("d,window", [(32, 0), (80, 0), (32, 30)])
+def test_chunk_attention_against_numpy(native_kernels, d, window):
+    """DecodeAttention at 21 rows (two blocks of positions, 3 query heads per KV head: row groups that end
+    part-filled) after 70 cached positions (two blocks of keys): the rows land at their positions, each row
+    attends causally to the positions up to its own (with a window, the last 30 of them), over head sizes
+    in whole blocks of 64 columns and not (80); a NaN in one row's query head makes that row and head NaN."""
+    from onnx import TensorProto, helper
+
+    heads, kv, cap, p0, rows = 6, 2, 128, 70, 21
+    p = p0 + rows - 1
+    vi = helper.make_tensor_value_info
+    attrs = {"local_window_size": window} if window else {}
+    node = helper.make_node("DecodeAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["o", "ck", "cv"], domain="ai.llmc",
+                            num_heads=heads, kv_num_heads=kv, scale=0.2, **attrs)
+    g = helper.make_graph([node], "g", [vi("q", TensorProto.FLOAT, [1, rows, heads * d]), vi("k", TensorProto.FLOAT, [1, rows, kv * d]),
+                                        vi("v", TensorProto.FLOAT, [1, rows, kv * d]), vi("pk", TensorProto.FLOAT, [1, kv, cap, d]),
+                                        vi("pv", TensorProto.FLOAT, [1, kv, cap, d]), vi("seqlens", TensorProto.INT32, [1]),
+                                        vi("total", TensorProto.INT32, [])],
+                          [vi("o", TensorProto.FLOAT, None), vi("ck", TensorProto.FLOAT, None), vi("cv", TensorProto.FLOAT, None)])
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    rng = np.random.default_rng(d + window)
+    q, k, v = (rng.standard_normal((1, rows, n * d)).astype(np.float32) for n in (heads, kv, kv))
+    pk, pv = (rng.standard_normal((1, kv, cap, d)).astype(np.float32) for _ in range(2))
+    feeds = {"q": q, "k": k, "v": v, "pk": pk, "pv": pv, "seqlens": np.array([p], np.int32), "total": np.array(p + 1, np.int32)}
+    o, ck, cv = sess.run(None, feeds)
+    K, V = pk[0].copy(), pv[0].copy()
+    K[:, p0 : p + 1] = k.reshape(rows, kv, d).transpose(1, 0, 2)
+    V[:, p0 : p + 1] = v.reshape(rows, kv, d).transpose(1, 0, 2)
+    np.testing.assert_array_equal(ck[0, :, : p + 1], K[:, : p + 1])
+    np.testing.assert_array_equal(cv[0, :, : p + 1], V[:, : p + 1])
+    o = o.reshape(rows, heads, d)
+    for i in range(rows):
+        pos = p0 + i
+        lo = max(0, pos + 1 - window) if window else 0
+        for h in range(heads):
+            s = K[h // 3, lo : pos + 1] @ q.reshape(rows, heads, d)[i, h] * 0.2
+            w = np.exp(s - s.max())
+            np.testing.assert_allclose(o[i, h], (w / w.sum()) @ V[h // 3, lo : pos + 1], rtol=1e-4, atol=1e-5)
+    q[0, 3, d + 1] = np.nan  # row 3, head 1
+    o = sess.run(None, {**feeds, "q": q})[0].reshape(rows, heads, d)
+    assert np.isnan(o[3, 1]).all()
+    o[3, 1] = 0
+    assert np.isfinite(o).all()

@@ -94,7 +94,7 @@ def test_all_cpu_prefill_is_priced_on_the_cpu_program(tmp_path, monkeypatch):
     from llmc.analyses import DecodePlan, Schedule
     from llmc.passes import fuse_decode_graph
 
-    monkeypatch.setattr(fuse_decode_graph, "why_not_chunks", lambda graph: "a model whose attention cannot take a chunk")
+    monkeypatch.setattr(fuse_decode_graph, "why_not_chunks", lambda graph, native=False: "a model whose attention cannot take a chunk")
     graph, ctx = plan_small(tmp_path, placement="cpu")
     s = ctx.get(Schedule)
     assert ctx.has(DecodePlan) and s.cpu_program_s is not None

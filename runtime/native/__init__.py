@@ -37,6 +37,14 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("llmc_kernels.cc")
 DOMAIN = "ai.llmc"  # the ops' domain in the bundles' graphs
+MAX_GROUP = 16  # query heads per KV head that DecodeAttention takes (kMaxGroup)
+MAX_CHUNK_HEAD = 256  # the head size it takes at more than one row (kMaxHeadSize), a multiple of 16 there
+
+
+def attention_takes(num_heads: int, num_kv_heads: int, head_dim: int, rows: int) -> bool:
+    """Whether DecodeAttention (or DecodeAttentionInt8) takes an attention node of this shape at ``rows`` rows;
+    nodes it does not take keep ONNX Runtime's GroupQueryAttention."""
+    return num_heads // num_kv_heads <= MAX_GROUP and (rows == 1 or (head_dim % 16 == 0 and head_dim <= MAX_CHUNK_HEAD))
 HEADER = "onnxruntime_cxx_api.h"
 # where ONNX Runtime's headers are looked for when neither --ort-include nor $LLMC_ORT_INCLUDE names them
 INCLUDE_DIRS = (Path("/usr/include/onnxruntime"), Path("/usr/local/include/onnxruntime"), Path("/usr/local/include"))

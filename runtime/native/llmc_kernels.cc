@@ -11,11 +11,12 @@
 // has an outlier in and multiplies densely; this kernel visits each row's own outliers only:
 // R * k * N multiply-adds for k outliers a row, instead of R * M * N for a block's union of M.
 //
-// The work is split into tasks, a tile of kTile output columns by a block of rows, run on ONNX
-// Runtime's intra-op threads. Each row sums its outliers' weight-row slices in order of channel in a
-// local accumulator, then adds base: the output is written once, and a block's weight-row slices
-// stay in cache across its rows. A NaN entry of x is an outlier (its excess is NaN), as in the
-// graph form.
+// A row's outliers are found 16 entries at a time (a mask of compares, with AVX-512). The work is then
+// split into tasks, a tile of output columns (at most kTile, the tiles of a row of even widths in whole
+// vectors) by a block of rows, run on ONNX Runtime's intra-op threads. Each row sums its outliers'
+// weight-row slices in order of channel in vector registers, then adds base: the output is written once,
+// and a block's weight-row slices stay in cache across its rows. A NaN entry of x is an outlier (its
+// excess is NaN), as in the graph form.
 //
 // Built by `llmc kernels build` (llmc.runtime.native) against ONNX Runtime's C/C++ API headers;
 // it calls ONNX Runtime only through the API table it is registered with, so it links to no
@@ -28,17 +29,21 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kTile = 256;  // output columns per task: 1 KiB of a weight row, of an output row
 
-constexpr int64_t kScan = 64;  // x entries checked at once for an outlier (a vectorised test)
+constexpr int64_t kScan = 64;  // x entries checked at once for an outlier without AVX-512 (a vectorised test)
+constexpr int64_t kLanes16 = 16;  // with it (a mask of 16 compares)
 constexpr int64_t kBlockRows = 32;  // a task's rows: blocks of at least this many
 constexpr int64_t kTasks = 8;  // tasks to aim for, column tiles times row blocks
 constexpr size_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
@@ -50,43 +55,76 @@ struct Outliers {  // by row: row r's outlier channels and excesses are [start[r
   std::vector<float> excess;
 };
 
+// Row r's entries [c0, c1) outside [lo, hi] (or NaN) appended to out, one at a time.
+inline void scan_scalar(const float* xr, int64_t c0, int64_t c1, float lo, float hi, Outliers& out) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const float v = xr[c];
+    if (!(v >= lo && v <= hi)) {  // outside, or NaN
+      out.channel.push_back(static_cast<int32_t>(c));
+      out.excess.push_back(v - (v < lo ? lo : (v > hi ? hi : v)));
+    }
+  }
+}
+
 void find_outliers(const float* x, int64_t rows, int64_t k, float lo, float hi, Outliers& out) {
   out.start.assign(rows + 1, 0);
   out.channel.clear();
   out.excess.clear();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * k;
-    for (int64_t c0 = 0; c0 < k; c0 += kScan) {
-      const int64_t c1 = std::min(k, c0 + kScan);
+    int64_t c0 = 0;
+#if defined(__AVX512F__)
+    // 16 entries at a time: a mask of those inside [lo, hi] (an ordered compare: NaN is outside), then the
+    // positions of the others
+    const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+    for (; c0 + kLanes16 <= k; c0 += kLanes16) {
+      const __m512 v = _mm512_loadu_ps(xr + c0);
+      unsigned outside = static_cast<uint16_t>(~(_mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(v, vhi, _CMP_LE_OQ)));
+      while (outside != 0) {
+        const int64_t c = c0 + __builtin_ctz(outside);
+        outside &= outside - 1;
+        const float e = xr[c];
+        out.channel.push_back(static_cast<int32_t>(c));
+        out.excess.push_back(e - (e < lo ? lo : (e > hi ? hi : e)));
+      }
+    }
+#else
+    for (; c0 + kScan <= k; c0 += kScan) {
       int any = 0;  // branch-free, so that it vectorises
-      for (int64_t c = c0; c < c1; ++c) {
+      for (int64_t c = c0; c < c0 + kScan; ++c) {
         const float v = xr[c];
         any |= static_cast<int>(v < lo) | static_cast<int>(v > hi) | static_cast<int>(v != v);
       }
-      if (any == 0) continue;
-      for (int64_t c = c0; c < c1; ++c) {
-        const float v = xr[c];
-        if (!(v >= lo && v <= hi)) {  // outside, or NaN
-          out.channel.push_back(static_cast<int32_t>(c));
-          out.excess.push_back(v - (v < lo ? lo : (v > hi ? hi : v)));
-        }
-      }
+      if (any != 0) scan_scalar(xr, c0, c0 + kScan, lo, hi, out);
     }
+#endif
+    scan_scalar(xr, c0, k, lo, hi, out);
     out.start[r + 1] = static_cast<int64_t>(out.channel.size());
   }
 }
 
-struct Job {
-  const Outliers* outliers;
-  const float* wt;
-  const float* base;  // may be null
-  float* y;
-  int64_t rows, n, tiles, row_blocks;
-};
+// An IEEE half's bits as a float (normal, subnormal, zero, infinity, NaN), for CPUs without F16C.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  float magnitude;
+  if (exponent == 0x1f) {
+    magnitude = mantissa != 0 ? NAN : INFINITY;
+  } else if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+  } else {
+    const uint32_t bits = (exponent + 112) << 23 | mantissa << 13;
+    std::memcpy(&magnitude, &bits, sizeof bits);
+  }
+  uint32_t out;
+  std::memcpy(&out, &magnitude, sizeof out);
+  out |= sign;
+  std::memcpy(&magnitude, &out, sizeof out);
+  return magnitude;
+}
 
 // A vector of 16 floats (GCC's vector extension: AVX-512, two AVX registers, or four SSE ones).
 typedef float Vec __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16, kVecs = kTile / kLanes;
+constexpr int64_t kLanes = 16, kMaxVecs = kTile / kLanes;
 
 inline Vec load(const float* p) {
   Vec v;
@@ -96,43 +134,110 @@ inline Vec load(const float* p) {
 
 inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof v); }
 
-// One row's slice [n0, n0 + width) of the output: its outliers' weight-row slices, scaled and summed
-// in order of channel, then added to base. A whole tile sums in kVecs vector registers and writes the
-// output once; a partial tile (the last one of a row) sums in memory.
-inline void row_slice(const Job& job, int64_t r, int64_t n0, int64_t width) {
+// x in every lane: one broadcast (Vec{} + x is an addition, 0 + -0 being +0).
+inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// 16 weights from p on as floats: float32 as they are, float16 (their bits) widened.
+inline Vec load16(const float* p) { return load(p); }
+
+inline Vec load16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  Vec v;
+  __builtin_memcpy(&v, &lo, sizeof lo);
+  __builtin_memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+#else
+  Vec v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = half_to_float(p[l]);
+  return v;
+#endif
+}
+
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) { return half_to_float(*p); }
+
+template <typename W>
+struct Job {
+  const Outliers* outliers;
+  const W* wt;
+  const float* base;  // may be null
+  float* y;
+  int64_t rows, n, tiles, width, row_blocks;  // width: columns per tile, a multiple of kLanes (the last tile may be narrower)
+};
+
+// Rows [r0, r1) of the output's columns [n0, n0 + NV * kLanes): each row's outliers' weight-row slices,
+// scaled and summed in order of channel in NV vector registers, then added to base; the output is written once.
+template <int NV, typename W>
+void tile_rows(const Job<W>& job, int64_t r0, int64_t r1, int64_t n0) {
   const Outliers& o = *job.outliers;
-  float* yr = job.y + r * job.n + n0;
-  const float* br = job.base != nullptr ? job.base + r * job.n + n0 : nullptr;
-  const int64_t first = o.start[r], last = o.start[r + 1];
-  if (width == kTile) {
-    Vec acc[kVecs] = {};
-    for (int64_t i = first; i < last; ++i) {
-      const float d = o.excess[i];
-      const float* wr = job.wt + static_cast<int64_t>(o.channel[i]) * job.n + n0;
+  for (int64_t r = r0; r < r1; ++r) {
+    Vec acc[NV] = {};
+    for (int64_t i = o.start[r]; i < o.start[r + 1]; ++i) {
+      const Vec d = splat(o.excess[i]);
+      const W* wr = job.wt + static_cast<int64_t>(o.channel[i]) * job.n + n0;
 #pragma GCC unroll 16
-      for (int64_t v = 0; v < kVecs; ++v) acc[v] += d * load(wr + v * kLanes);
+      for (int v = 0; v < NV; ++v) acc[v] += d * load16(wr + v * kLanes);
     }
+    float* yr = job.y + r * job.n + n0;
+    if (job.base != nullptr) {
+      const float* br = job.base + r * job.n + n0;
 #pragma GCC unroll 16
-    for (int64_t v = 0; v < kVecs; ++v) store(yr + v * kLanes, br != nullptr ? load(br + v * kLanes) + acc[v] : acc[v]);
-    return;
+      for (int v = 0; v < NV; ++v) store(yr + v * kLanes, load(br + v * kLanes) + acc[v]);
+    } else {
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) store(yr + v * kLanes, acc[v]);
+    }
   }
-  float acc[kTile] = {};
-  for (int64_t i = first; i < last; ++i) {
-    const float d = o.excess[i];
-    const float* wr = job.wt + static_cast<int64_t>(o.channel[i]) * job.n + n0;
-    for (int64_t j = 0; j < width; ++j) acc[j] += d * wr[j];
-  }
-  for (int64_t j = 0; j < width; ++j) yr[j] = br != nullptr ? br[j] + acc[j] : acc[j];
+}
+
+template <typename W, int... NV>
+constexpr auto tile_kernels(std::integer_sequence<int, NV...>) {
+  return std::array<void (*)(const Job<W>&, int64_t, int64_t, int64_t), sizeof...(NV)>{&tile_rows<NV + 1, W>...};
+}
+
+// Rows [r0, r1) of columns [n0, n1), one at a time (the columns past the last whole vector of a row).
+template <typename W>
+void tail_rows(const Job<W>& job, int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
+  const Outliers& o = *job.outliers;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t j = n0; j < n1; ++j) {
+      float acc = 0.0f;
+      for (int64_t i = o.start[r]; i < o.start[r + 1]; ++i) acc += o.excess[i] * load1(job.wt + static_cast<int64_t>(o.channel[i]) * job.n + j);
+      job.y[r * job.n + j] = job.base != nullptr ? job.base[r * job.n + j] + acc : acc;
+    }
 }
 
 // Task t: column tile t % tiles of the rows in row block t / tiles.
+template <typename W>
 void run_task(void* data, size_t t) {
-  const Job& job = *static_cast<const Job*>(data);
+  static constexpr auto kernels = tile_kernels<W>(std::make_integer_sequence<int, kMaxVecs>{});
+  const Job<W>& job = *static_cast<const Job<W>*>(data);
   const int64_t tile = static_cast<int64_t>(t) % job.tiles, block = static_cast<int64_t>(t) / job.tiles;
-  const int64_t n0 = tile * kTile, width = std::min(kTile, job.n - n0);
+  const int64_t n0 = tile * job.width, n1 = std::min(job.n, n0 + job.width), vecs = (n1 - n0) / kLanes;
   const int64_t per = (job.rows + job.row_blocks - 1) / job.row_blocks;
   const int64_t r0 = block * per, r1 = std::min(job.rows, r0 + per);
-  for (int64_t r = r0; r < r1; ++r) row_slice(job, r, n0, width);
+  if (vecs > 0) kernels[vecs - 1](job, r0, r1, n0);
+  if (n0 + vecs * kLanes < n1) tail_rows(job, r0, r1, n0 + vecs * kLanes, n1);
+}
+
+template <typename W>
+void correct(Ort::KernelContext& ctx, const Outliers& outliers, const W* wt, const float* base, float* y, int64_t rows, int64_t n) {
+  // columns in as few tiles of at most kTile as there can be, of even widths (whole vectors but the last's end)
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  const int64_t width = ((n + tiles - 1) / tiles + kLanes - 1) / kLanes * kLanes;
+  // as few row blocks as make kTasks tasks (a block's rows share its weight-row slices in cache), of
+  // kBlockRows rows at least
+  const int64_t row_blocks = std::max<int64_t>(1, std::min<int64_t>(rows / kBlockRows, (kTasks + tiles - 1) / tiles));
+  Job<W> job{&outliers, wt, base, y, rows, n, (n + width - 1) / width, width, row_blocks};
+  const size_t tasks = static_cast<size_t>(job.tiles * row_blocks);
+  if (tasks > 1 && outliers.channel.size() * static_cast<size_t>(n) >= kParallelWork)
+    ctx.ParallelFor(run_task<W>, tasks, 0, &job);
+  else
+    for (size_t t = 0; t < tasks; ++t) run_task<W>(&job, t);
 }
 
 struct ShadowKernel {
@@ -151,6 +256,9 @@ struct ShadowKernel {
     const OrtValue* base_value = ctx.GetInputCount() > 2 ? static_cast<const OrtValue*>(ctx.GetInput(2)) : nullptr;
     std::vector<int64_t> xs = x.GetTensorTypeAndShapeInfo().GetShape();
     std::vector<int64_t> ws = wt.GetTensorTypeAndShapeInfo().GetShape();
+    const ONNXTensorElementDataType wtype = wt.GetTensorTypeAndShapeInfo().GetElementType();
+    if (wtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && wtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+      throw Ort::Exception("ShadowCorrection: wt must be float32 or float16", ORT_INVALID_ARGUMENT);
     if (xs.empty() || ws.size() != 2 || ws[0] != xs.back())
       throw Ort::Exception("ShadowCorrection: x must be [..., K] and wt [K, N] with the same K", ORT_INVALID_ARGUMENT);
     const int64_t k = ws[0], n = ws[1];
@@ -168,16 +276,11 @@ struct ShadowKernel {
     Ort::UnownedValue y = ctx.GetOutput(0, ys.data(), ys.size());
     Outliers outliers;
     find_outliers(x.GetTensorData<float>(), rows, k, lo, hi, outliers);
-    const int64_t tiles = (n + kTile - 1) / kTile;
-    // as few row blocks as make kTasks tasks (a block's rows share its weight-row slices in cache), of
-    // kBlockRows rows at least
-    const int64_t row_blocks = std::max<int64_t>(1, std::min<int64_t>(rows / kBlockRows, (kTasks + tiles - 1) / tiles));
-    Job job{&outliers, wt.GetTensorData<float>(), base, y.GetTensorMutableData<float>(), rows, n, tiles, row_blocks};
-    const size_t tasks = static_cast<size_t>(tiles * row_blocks);
-    if (tasks > 1 && outliers.channel.size() * static_cast<size_t>(n) >= kParallelWork)
-      ctx.ParallelFor(run_task, tasks, 0, &job);
+    float* out = y.GetTensorMutableData<float>();
+    if (wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+      correct(ctx, outliers, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), base, out, rows, n);
     else
-      for (size_t t = 0; t < tasks; ++t) run_task(&job, t);
+      correct(ctx, outliers, wt.GetTensorData<float>(), base, out, rows, n);
   }
 };
 
@@ -186,7 +289,9 @@ struct ShadowCorrectionOp : Ort::CustomOpBase<ShadowCorrectionOp, ShadowKernel> 
   const char* GetName() const { return "ShadowCorrection"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 3; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {  // wt: float32 or float16 (checked when it runs)
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i == 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
@@ -385,6 +490,168 @@ __attribute__((optimize("fp-contract=off"))) void rotate(float* x, int64_t heads
   }
 }
 
+// A chunk's attention (more than one row): a task is a KV head by a block of kQueryBlock positions, all its
+// query heads' rows (as flash attention does): over the cache's positions in blocks of kKeyBlock, the block's
+// keys transposed into a buffer, the scores of kRowGroup rows at a time against them, an online softmax (each
+// row's running maximum and sum, its output rescaled when the maximum grows) and the e-weighted value rows
+// added to the rows' outputs. A row attends to the positions up to its own (and, with a window, the last
+// local_window_size of them); blocks past a row's position give it nothing.
+constexpr int64_t kQueryBlock = 16;   // a chunk task's positions
+constexpr int64_t kKeyBlock = 64;     // cache positions per step of a chunk task
+constexpr int64_t kKeyVecs = kKeyBlock / kLanes;
+constexpr int64_t kMaxHeadSize = 256;  // a chunk's head size at most (and a multiple of kLanes)
+constexpr int kRowGroup = 6;  // query rows whose scores and outputs are computed together (in 24 vector registers)
+
+template <typename T>
+struct ChunkJob {
+  const float* q;  // [rows, H*D], rotated, times K's scales for an int8 cache
+  const T* k;      // [KV, C, D]
+  const T* v;
+  const float* v_scale;  // [KV, D] for an int8 cache, else null
+  float* out;            // [rows, H*D]
+  int64_t heads, group, c, d, p0, rows, window, qblocks;
+  float scale;
+};
+
+const IVec lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline float hmax(Vec v) {
+  float t = v[0];
+  for (int64_t l = 1; l < kLanes; ++l) t = std::max(t, v[l]);
+  return t;
+}
+
+// The scores of kRowGroup query rows against a block of keys transposed ([d][kKeyBlock]).
+inline void group_scores(const float* const* q, const float* kt, int64_t d, Vec (&s)[kRowGroup][kKeyVecs]) {
+  for (auto& row : s)
+    for (auto& v : row) v = Vec{};
+  for (int64_t j = 0; j < d; ++j) {
+    Vec kv[kKeyVecs];
+#pragma GCC unroll 4
+    for (int64_t b = 0; b < kKeyVecs; ++b) kv[b] = load(kt + j * kKeyBlock + b * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRowGroup; ++r) {
+      const Vec qv = splat(q[r][j]);
+#pragma GCC unroll 4
+      for (int64_t b = 0; b < kKeyVecs; ++b) s[r][b] += qv * kv[b];
+    }
+  }
+}
+
+// kRowGroup rows' outputs, columns [c0, c0 + CN * kLanes): += p[r][t] * value row t, for the block's kn rows.
+template <int CN>
+inline void group_values(const float (*p)[kKeyBlock], int64_t kn, const float* vb, int64_t d, int64_t c0, float* const* acc) {
+  Vec o[kRowGroup][CN];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < CN; ++x) o[r][x] = load(acc[r] + c0 + x * kLanes);
+  for (int64_t t = 0; t < kn; ++t) {
+    Vec vv[CN];
+#pragma GCC unroll 4
+    for (int x = 0; x < CN; ++x) vv[x] = load(vb + t * d + c0 + x * kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRowGroup; ++r) {
+      const Vec pr = splat(p[r][t]);
+#pragma GCC unroll 4
+      for (int x = 0; x < CN; ++x) o[r][x] += pr * vv[x];
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < CN; ++x) store(acc[r] + c0 + x * kLanes, o[r][x]);
+}
+
+template <typename T>
+void attend_chunk(void* data, size_t t) {
+  const ChunkJob<T>& job = *static_cast<const ChunkJob<T>*>(data);
+  const int64_t g = static_cast<int64_t>(t) / job.qblocks, i0 = (static_cast<int64_t>(t) % job.qblocks) * kQueryBlock;
+  const int64_t i1 = std::min(job.rows, i0 + kQueryBlock), d = job.d, hd = job.heads * d;
+  const int64_t n = (i1 - i0) * job.group;  // the task's query rows: row r is position i0 + r / group, head g * group + r % group
+  std::vector<float> kt(static_cast<size_t>(d * kKeyBlock)), vf(std::is_same_v<T, float> ? 0 : static_cast<size_t>(kKeyBlock * d));
+  std::vector<float> acc(static_cast<size_t>((n + kRowGroup - 1) / kRowGroup * kRowGroup * d), 0.0f), m(static_cast<size_t>(n), -INFINITY), l(static_cast<size_t>(n), 0.0f);
+  std::vector<char> nan(static_cast<size_t>(n), 0);
+  alignas(64) float pb[kRowGroup][kKeyBlock];
+  auto qrow = [&](int64_t r) { return job.q + (i0 + r / job.group) * hd + (g * job.group + r % job.group) * d; };
+  const T* kg = job.k + g * job.c * d;
+  const T* vg = job.v + g * job.c * d;
+  const int64_t last = job.p0 + i1 - 1, first = job.window > 0 ? std::max<int64_t>(0, job.p0 + i0 + 1 - job.window) : 0;
+  for (int64_t k0 = first; k0 <= last; k0 += kKeyBlock) {
+    const int64_t kn = std::min(kKeyBlock, last + 1 - k0);
+    for (int64_t x = 0; x < kKeyBlock; ++x)  // the keys transposed, zero past the block's end
+      for (int64_t j = 0; j < d; ++j) kt[j * kKeyBlock + x] = x < kn ? static_cast<float>(kg[(k0 + x) * d + j]) : 0.0f;
+    const float* vb;
+    if constexpr (std::is_same_v<T, float>) {
+      vb = vg + k0 * d;
+    } else {
+      for (int64_t x = 0; x < kn; ++x)
+        for (int64_t j = 0; j < d; j += kLanes) store(vf.data() + x * d + j, row16(vg + (k0 + x) * d + j));
+      vb = vf.data();
+    }
+    for (int64_t r0 = 0; r0 < n; r0 += kRowGroup) {
+      const float* qs[kRowGroup];
+      float* as[kRowGroup];
+      for (int rr = 0; rr < kRowGroup; ++rr) {
+        qs[rr] = qrow(std::min(r0 + rr, n - 1));
+        as[rr] = acc.data() + (r0 + rr) * d;  // rows past n: padding, given zero weights
+      }
+      Vec sc[kRowGroup][kKeyVecs];
+      group_scores(qs, kt.data(), d, sc);
+      for (int rr = 0; rr < kRowGroup; ++rr) {
+        const int64_t r = r0 + rr, pos = job.p0 + i0 + r / job.group;
+        const int64_t tb = job.window > 0 ? std::max<int64_t>(0, pos + 1 - job.window - k0) : 0, te = std::min(kn, pos + 1 - k0);
+        float* pr = pb[rr];
+        if (r >= n || te <= tb) {  // nothing of this block for the row
+          std::fill(pr, pr + kKeyBlock, 0.0f);
+          continue;
+        }
+        // the row's scores in [tb, te) (the others -inf, then weight 0): maximum, e^(s - max) and their sum, 16 at a time
+        const bool whole = tb == 0 && te == kKeyBlock;
+        Vec top = Vec{} - INFINITY;
+        IVec bad = {};
+        for (int64_t b = 0; b < kKeyVecs; ++b) {
+          Vec x = sc[rr][b] * job.scale;
+          if (!whole) {
+            const IVec at = lane_index + static_cast<int32_t>(b * kLanes);
+            x = (at >= static_cast<int32_t>(tb)) & (at < static_cast<int32_t>(te)) ? x : Vec{} - INFINITY;
+          }
+          bad |= x != x;
+          top = top > x ? top : x;
+          sc[rr][b] = x;
+        }
+        const float grown = std::max(m[r], hmax(top)), rescale = std::exp(m[r] - grown);
+        for (int64_t x = 0; x < kLanes; ++x) nan[r] |= bad[x] != 0;
+        Vec sum = {};
+        for (int64_t b = 0; b < kKeyVecs; ++b) {
+          Vec e = exp_nonpositive(sc[rr][b] - grown);
+          if (!whole) e = sc[rr][b] == -INFINITY ? Vec{} : e;
+          sum += e;
+          store(pr + b * kLanes, e);
+        }
+        l[r] = l[r] * rescale + hsum(sum);
+        m[r] = grown;
+        if (rescale != 1.0f)
+          for (int64_t j = 0; j < d; j += kLanes) store(as[rr] + j, load(as[rr] + j) * rescale);
+      }
+      int64_t c0 = 0;
+      for (; c0 + 4 * kLanes <= d; c0 += 4 * kLanes) group_values<4>(pb, kn, vb, d, c0, as);
+      switch ((d - c0) / kLanes) {
+        case 3: group_values<3>(pb, kn, vb, d, c0, as); break;
+        case 2: group_values<2>(pb, kn, vb, d, c0, as); break;
+        case 1: group_values<1>(pb, kn, vb, d, c0, as); break;
+        default: break;
+      }
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) {  // normalised by the sums (an int8 cache: times V's scales), a NaN score's row NaN
+    float* y = job.out + (i0 + r / job.group) * hd + (g * job.group + r % job.group) * d;
+    const float inv = 1.0f / l[r];
+    for (int64_t j = 0; j < d; ++j)
+      y[j] = nan[r] ? NAN : acc[r * d + j] * inv * (job.v_scale != nullptr ? job.v_scale[g * d + j] : 1.0f);
+  }
+}
+
 // T: the caches' element type, float (DecodeAttention) or int8 codes with per-channel scales, inputs 9 and
 // 10 [1, KV, 1, D] (DecodeAttentionInt8: a stored row is clip(rint(x / scale), -128, 127), as the runtime's
 // and ONNX Runtime's quantized caches).
@@ -413,28 +680,39 @@ struct AttentionKernel {
       throw Ort::Exception("DecodeAttention: the caches must both be [1, kv_num_heads, capacity, head_size]", ORT_INVALID_ARGUMENT);
     const int64_t c = cache[2], d = cache[3], hd = heads * d, kvd = kv_heads * d;
     const bool packed = !present(1);
-    const int64_t width = query.GetTensorTypeAndShapeInfo().GetElementCount();
-    if (width != (packed ? hd + 2 * kvd : hd))
-      throw Ort::Exception("DecodeAttention: one row only; query must be [1, 1, num_heads * head_size] (or q, k, v packed)", ORT_INVALID_ARGUMENT);
-    const int64_t p = seqlens.GetTensorData<int32_t>()[0];
-    if (p < 0 || p >= c)
-      throw Ort::Exception("DecodeAttention: seqlens_k is outside the cache's capacity", ORT_INVALID_ARGUMENT);
-    if (!packed && (!present(2) || ctx.GetInput(1).GetTensorTypeAndShapeInfo().GetElementCount() != kvd ||
-                    ctx.GetInput(2).GetTensorTypeAndShapeInfo().GetElementCount() != kvd))
-      throw Ort::Exception("DecodeAttention: key and value must both be [1, 1, kv_num_heads * head_size]", ORT_INVALID_ARGUMENT);
+    const std::vector<int64_t> qshape = query.GetTensorTypeAndShapeInfo().GetShape();
+    if (qshape.size() != 3 || qshape[0] != 1 || qshape[1] < 1 || qshape[2] != (packed ? hd + 2 * kvd : hd))
+      throw Ort::Exception("DecodeAttention: query must be [1, rows, num_heads * head_size] (or q, k, v packed)", ORT_INVALID_ARGUMENT);
+    const int64_t rows = qshape[1], width = qshape[2];
+    const int64_t p = seqlens.GetTensorData<int32_t>()[0], p0 = p + 1 - rows;  // the rows' positions: p0 .. p
+    if (p0 < 0 || p >= c)
+      throw Ort::Exception("DecodeAttention: the rows' positions (seqlens_k - rows + 1 to seqlens_k) are outside the cache's capacity",
+                           ORT_INVALID_ARGUMENT);
+    if (rows > 1 && (d % kLanes != 0 || d > kMaxHeadSize))
+      throw Ort::Exception("DecodeAttention: more than one row needs a head_size that is a multiple of 16, at most 256", ORT_INVALID_ARGUMENT);
+    if (!packed && (!present(2) || ctx.GetInput(1).GetTensorTypeAndShapeInfo().GetElementCount() != rows * kvd ||
+                    ctx.GetInput(2).GetTensorTypeAndShapeInfo().GetElementCount() != rows * kvd))
+      throw Ort::Exception("DecodeAttention: key and value must both be [1, rows, kv_num_heads * head_size]", ORT_INVALID_ARGUMENT);
     const float* qsrc = query.GetTensorData<float>();
     const float* ksrc = packed ? qsrc + hd : ctx.GetInput(1).GetTensorData<float>();
     const float* vsrc = packed ? qsrc + hd + kvd : ctx.GetInput(2).GetTensorData<float>();
-    std::vector<float> q(qsrc, qsrc + hd), k(ksrc, ksrc + kvd);
+    const int64_t kvstride = packed ? width : kvd;  // between one row's key (value) and the next's
+    std::vector<float> q(static_cast<size_t>(rows * hd)), k(static_cast<size_t>(rows * kvd));
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy(qsrc + r * width, qsrc + r * width + hd, q.begin() + r * hd);
+      std::copy(ksrc + r * kvstride, ksrc + r * kvstride + kvd, k.begin() + r * kvd);
+    }
     if (rotary != 0) {
       if (!present(7) || !present(8) || ctx.GetInput(7).GetTensorTypeAndShapeInfo().GetElementCount() < (p + 1) * (d / 2) ||
           ctx.GetInput(8).GetTensorTypeAndShapeInfo().GetElementCount() < (p + 1) * (d / 2))
         throw Ort::Exception("DecodeAttention: do_rotary needs cos_cache and sin_cache [positions, head_size / 2] past seqlens_k",
                              ORT_INVALID_ARGUMENT);
-      const float* cos = ctx.GetInput(7).GetTensorData<float>() + p * (d / 2);
-      const float* sin = ctx.GetInput(8).GetTensorData<float>() + p * (d / 2);
-      rotate(q.data(), heads, d, cos, sin);
-      rotate(k.data(), kv_heads, d, cos, sin);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* cos = ctx.GetInput(7).GetTensorData<float>() + (p0 + r) * (d / 2);
+        const float* sin = ctx.GetInput(8).GetTensorData<float>() + (p0 + r) * (d / 2);
+        rotate(q.data() + r * hd, heads, d, cos, sin);
+        rotate(k.data() + r * kvd, kv_heads, d, cos, sin);
+      }
     }
     const float* k_scale = nullptr;
     const float* v_scale = nullptr;
@@ -445,26 +723,39 @@ struct AttentionKernel {
       k_scale = ctx.GetInput(9).GetTensorData<float>();
       v_scale = ctx.GetInput(10).GetTensorData<float>();
     }
-    Ort::UnownedValue out = ctx.GetOutput(0, std::vector<int64_t>{1, 1, hd});
+    Ort::UnownedValue out = ctx.GetOutput(0, std::vector<int64_t>{1, rows, hd});
     T* kc = ctx.GetOutput(1, cache).GetTensorMutableData<T>();
     T* vc = ctx.GetOutput(2, cache).GetTensorMutableData<T>();
     const size_t cache_size = static_cast<size_t>(kvd * c);
     if (kc != past_k.GetTensorData<T>()) std::copy(past_k.GetTensorData<T>(), past_k.GetTensorData<T>() + cache_size, kc);
     if (vc != past_v.GetTensorData<T>()) std::copy(past_v.GetTensorData<T>(), past_v.GetTensorData<T>() + cache_size, vc);
-    for (int64_t i = 0; i < kvd; ++i) {  // the token's K and V row, at position p of each KV head
-      T* kd = kc + ((i / d) * c + p) * d + i % d;
-      T* vd = vc + ((i / d) * c + p) * d + i % d;
-      if constexpr (std::is_same_v<T, int8_t>) {
-        *kd = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(k[i] / k_scale[i]))));
-        *vd = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(vsrc[i] / v_scale[i]))));
-      } else {
-        *kd = k[i];
-        *vd = vsrc[i];
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < kvd; ++i) {  // the rows' K and V, at positions p0 + r of each KV head
+        T* kd = kc + ((i / d) * c + p0 + r) * d + i % d;
+        T* vd = vc + ((i / d) * c + p0 + r) * d + i % d;
+        const float kx = k[r * kvd + i], vx = vsrc[r * kvstride + i];
+        if constexpr (std::is_same_v<T, int8_t>) {
+          *kd = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(kx / k_scale[i]))));
+          *vd = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(vx / v_scale[i]))));
+        } else {
+          *kd = kx;
+          *vd = vx;
+        }
       }
-    }
     if constexpr (std::is_same_v<T, int8_t>)  // q . (codes * scale) = (q * scale) . codes
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t j = 0; j < d; ++j) q[h * d + j] *= k_scale[(h / (heads / kv_heads)) * d + j];
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t j = 0; j < d; ++j) q[r * hd + h * d + j] *= k_scale[(h / (heads / kv_heads)) * d + j];
+    if (rows > 1) {
+      const int64_t qblocks = (rows + kQueryBlock - 1) / kQueryBlock;
+      ChunkJob<T> job{q.data(), kc, vc, v_scale, out.GetTensorMutableData<float>(), heads, heads / kv_heads, c, d, p0, rows, window, qblocks, scale};
+      const size_t tasks = static_cast<size_t>(kv_heads * qblocks);
+      if (tasks > 1 && (p + 1) * d * heads >= kAttentionParallel)
+        ctx.ParallelFor(attend_chunk<T>, tasks, 0, &job);
+      else
+        for (size_t t = 0; t < tasks; ++t) attend_chunk<T>(&job, t);
+      return;
+    }
     const int64_t total = p + 1, start = window > 0 ? std::max<int64_t>(0, total - window) : 0;
     const int64_t group = heads / kv_heads, blocks = (total - start + kPositions - 1) / kPositions;
     std::vector<float> m(static_cast<size_t>(heads * blocks)), l(m.size()), o(m.size() * static_cast<size_t>(d));
