@@ -66,6 +66,23 @@ def test_shadow_correction_matches_numpy(native_kernels, shape, n, threads):
         np.testing.assert_array_equal(first, base.reshape(-1, n)[0] if with_base else np.zeros(n, np.float32))
 
 
+def test_shadow_correction_takes_float16_tables(native_kernels):
+    """A float16 weight table: the correction is the float16 weights' (widened exactly) at 300 columns (a
+    partial last vector); a table of another type is a named error when the op runs."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    rng = np.random.default_rng(4)
+    lo, hi = -0.5, 0.5
+    x = _outliers(rng, (40, 64), 0.05, lo, hi)
+    wt = rng.standard_normal((64, 300)).astype(np.float16)
+    base = rng.standard_normal((40, 300)).astype(np.float32)
+    y = _session(_op_model(x.shape, wt, lo, hi, True), native_kernels).run(None, {"x": x, "base": base})[0]
+    ref = base + (x - np.clip(x, lo, hi)).astype(np.float64) @ wt.astype(np.float64)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-4 * np.abs(ref).max())
+    with pytest.raises((Fail, InvalidArgument, RuntimeException), match="float32 or float16"):
+        _session(_op_model(x.shape, wt.astype(np.float64), lo, hi, True), native_kernels).run(None, {"x": x, "base": base})
+
+
 def test_shadow_correction_nan_is_an_outlier(native_kernels):
     """A NaN entry poisons its row (as the stock ops' correction does), and only its row."""
     rng = np.random.default_rng(1)
