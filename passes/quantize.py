@@ -19,6 +19,11 @@ int8 weights (zero point 0, see :func:`quantize_weight`), transposed
 is a dynamic op: it runs on the CPU, so the chunk cut puts the float ``x`` at a
 subgraph boundary, and the merge with the NPU result happens on the CPU too.
 
+The shadow's weight table (``weight_t``, every Linear's weights transposed, of
+which a correction reads its outliers' rows) is float32, or float16 with
+``--cpu-kernels native``: llmc's correction widens each weight it reads, and half
+the bytes to read is most of its time.
+
 Everything else stays float32 in this pass (norms, residual adds, attention on
 the CPU); see docs/quantization.md for the measurements behind that choice.
 """
@@ -117,12 +122,13 @@ class Quantize(Pass):
                 groups.setdefault(x.name, []).append((ql, wref))
             changed = True
         for xname, members in groups.items():
-            self._add_shadow(graph, plan.inputs[xname], members)
+            self._add_shadow(graph, plan.inputs[xname], members, "float16" if ctx.options.cpu_kernels == "native" else "float32")
         return PassResult(changed)
 
     @staticmethod
-    def _add_shadow(graph: Graph, q, members) -> None:
-        """One ShadowOutliers for all QLinears reading ``q.value``, after the last of them."""
+    def _add_shadow(graph: Graph, q, members, table_dtype: str = "float32") -> None:
+        """One ShadowOutliers for all QLinears reading ``q.value``, after the last of them, its weight table
+        (``weight_t``, all of the Linears' weights transposed) in ``table_dtype``."""
         store = graph.weights
         x = members[0][0].inputs[0]
         names = [w.name for _, w in members]
@@ -143,7 +149,8 @@ class Quantize(Pass):
             return np.ascontiguousarray(np.concatenate([store.load(n)[:, list(hot)] for n in names], axis=0).T, np.float32)
 
         base = _shadow_name(q.value)
-        cold_ref = store.add(f"{base}.weight_t", (x.shape[1], sum(splits)), "float32", full_t)
+        # float16 for llmc's native correction (it widens each weight it reads), else float32
+        cold_ref = store.add(f"{base}.weight_t", (x.shape[1], sum(splits)), table_dtype, full_t)
         hot_ref = store.add(f"{base}.hot_rows", (max(len(hot), 1), sum(splits)), "float32", hot_rows)
         qls = sorted((ql for ql, _ in members), key=graph.nodes.index)
         # The QLinears depend only on x: gather them after the first so the shadow

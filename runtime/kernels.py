@@ -275,7 +275,7 @@ def shadow_outliers(
     if pos.min() >= 0:
         rows = hot_rows[pos]
     elif pos.max() < 0:
-        rows = weight_t[chans]
+        rows = weight_t[chans].astype(np.float32, copy=False)  # a native bundle's table is float16
     else:
         cold = pos < 0
         rows = np.empty((len(chans), weight_t.shape[1]), np.float32)
