@@ -217,6 +217,11 @@ class _Builder:
             if "bias" in n.weights:
                 ins.append(self.weight(n.weights["bias"]))
             self.add("LayerNormalization", ins, y, n.name, axis=-1, epsilon=float(a["eps"]))
+        elif n.op == "Act" and self.into_swiglu(n):
+            pass  # the Mul after it is llmc's SwiGLU (see swiglu)
+        elif n.op == "Mul" and self.swiglu(n) is not None:
+            _, whole, gate, up, width = self.swiglu(n)
+            self.add("SwiGLU", [whole], y, f"{n.name}.swiglu", domain=NATIVE_DOMAIN, gate=gate, up=up, width=width)
         elif n.op == "Act":
             if a["kind"] == "silu":
                 self.add("Sigmoid", x, [f"{n.name}.sigmoid"], f"{n.name}.sigmoid")
@@ -228,8 +233,8 @@ class _Builder:
         elif n.op == "Scale":
             c = self.const(f"{n.name}.value", np.array(a["value"], np.float32))
             self.add("Mul", x + [c], y, n.name)
-        elif n.op == "Slice" and self.corrected_whole(n):
-            pass  # the correction reads the projection whole (see shadow_outliers)
+        elif n.op == "Slice" and (self.corrected_whole(n) or self.drops(n.outputs[0])):
+            pass  # the correction reads the projection whole (see shadow_outliers), or SwiGLU does
         elif n.op == "Slice":
             self.slice(x[0], a["start"], a["end"], y[0], n.name)
         elif n.op == "ShadowOutliers":
@@ -269,8 +274,44 @@ class _Builder:
         return out
 
     def drops(self, v: Value) -> bool:
-        """Whether no op of this graph reads ``v`` (the decode graph: q/k/v that attention takes packed)."""
-        return False
+        """Whether no op of this graph reads ``v``: a gate or up half that SwiGLU reads whole (the decode graph
+        also: q/k/v that attention takes packed)."""
+        if not v.uses or v.name in self.sub.outputs:
+            return False
+        return all((u.op == "Mul" and self.swiglu(u) is not None) or (u.op == "Act" and self.into_swiglu(u)) for u, _ in v.uses)
+
+    def columns_of(self, v: Value) -> tuple[str, int] | None:
+        """(value, first column) when ``v`` is a column slice of a value this graph lowers whole: an IR Slice,
+        or a result a shadow correction adds to its projection whole (:meth:`shadow_outliers`)."""
+        p = v.producer
+        if p is None or p.name not in self.members:
+            return None
+        if p.op == "Slice" and not self.corrected_whole(p):
+            return p.inputs[0].name, int(p.attrs["start"])
+        if p.op == "ShadowOutliers" and self.whole_source(p) is not None:
+            return whole_name(p), sum(p.attrs["splits"][: list(p.outputs).index(v)])
+        return None
+
+    def swiglu(self, mul: Node) -> tuple[Node, str, int, int, int] | None:
+        """For ``silu(gate) * up`` with gate and up columns of one value (a gated MLP whose gate/up projection
+        fuse_sibling_linears merged), in a graph with llmc's native ops: (the Act, the value, gate's first
+        column, up's, their width), which lower to one ``ai.llmc.SwiGLU``; else None."""
+        if not self.native:
+            return None
+        for i in (0, 1):
+            act, up = mul.inputs[i].producer, mul.inputs[1 - i]
+            if (act is None or act.op != "Act" or act.attrs["kind"] != "silu" or act.name not in self.members
+                    or len(mul.inputs[i].uses) != 1 or mul.inputs[i].name in self.sub.outputs):
+                continue
+            gate, other = self.columns_of(act.inputs[0]), self.columns_of(up)
+            if gate is not None and other is not None and gate[0] == other[0] and act.inputs[0].shape == up.shape:
+                return act, gate[0], gate[1], other[1], up.shape[-1]
+        return None
+
+    def into_swiglu(self, act: Node) -> bool:
+        """Whether Act ``act`` is the silu of a :meth:`swiglu`."""
+        uses = act.outputs[0].uses
+        return len(uses) == 1 and uses[0][0].op == "Mul" and (m := self.swiglu(uses[0][0])) is not None and m[0] is act
 
     def slice(self, x: str, start: int, end: int, out: str, name: str) -> None:
         """``out = x[:, start:end]``."""
@@ -527,13 +568,11 @@ class _DecodeBuilder(_Builder):
             self.add("Identity", x, y, n.name)  # the one row is the row that needs logits
         elif n.op == "SelectRows":
             self.add("Gather", [x[0], DECODE_LOGIT_ROWS], y, n.name, axis=0)
-        elif n.op == "Slice" and self.drops(n.outputs[0]):
-            pass  # read only by attention nodes that take the fused projection packed
         else:
-            super().lower(n)
+            super().lower(n)  # a Slice that drops() (attention nodes take the fused projection packed) is left out there
 
     def drops(self, v: Value) -> bool:
-        return bool(v.uses) and all(u.op == "Attention" and self.packed(u) is not None for u, _ in v.uses)
+        return super().drops(v) or (bool(v.uses) and all(u.op == "Attention" and self.packed(u) is not None for u, _ in v.uses))
 
     @staticmethod
     def node_rotates(attn: Node) -> bool:

@@ -146,6 +146,10 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
     assert corrected and any(g.endswith(".r1") for g in corrected) and any(not g.endswith(".r1") for g in corrected)
     for g in corrected:
         assert "ShadowCorrection" in native_ops[g] and not {"Clip", "TopK", "Compress", "GatherElements"} & native_ops[g], g
+    # the MLP's activation: SwiGLU straight from the corrected gate/up projection, no Slice of it nor Sigmoid
+    decode = f"{m['decode_graph']}.r1"
+    assert "SwiGLU" in native_ops[decode] and not {"Sigmoid", "Slice"} & native_ops[decode]
+    assert "Sigmoid" in stock_ops[decode] and "SwiGLU" not in stock_ops[decode]
     assert not any("ShadowCorrection" in ops for ops in stock_ops.values())
 
     # the native bundle's weight tables are float16: the stock bundle's, rounded so in a copy, is the reference
@@ -277,6 +281,8 @@ def test_native_decode_attention_matches_the_stock_bundle(bundles, model_dirs, t
     ops = _ops(out)[f"{m['decode_graph']}.r1"]
     assert "DecodeAttention" in ops and "GroupQueryAttention" not in ops
     assert "GroupQueryAttention" in _ops(bundles(family))[f"{m['decode_graph']}.r1"]
+    # the gated MLPs' silu(gate) * up as one SwiGLU from the fused gate/up projection (gemma's and phi's MLPs are not silu-gated)
+    assert ("SwiGLU" in ops) == (family in ("llama", "mistral", "qwen2")) and "Sigmoid" not in ops
     # the chunk instance (prefill, where the node rotates q and k) too, mistral's in its window (the stock bundle
     # has no chunk instance for a window)
     chunk_ops = _ops(out).get(f"{m['decode_graph']}.r{CHUNK}")
@@ -447,3 +453,27 @@ def test_chunk_attention_against_numpy(native_kernels, d, window):
     assert np.isnan(o[3, 1]).all()
     o[3, 1] = 0
     assert np.isfinite(o).all()
+
+
+def test_swiglu_against_numpy(native_kernels):
+    """SwiGLU(x; gate, up, width) = silu(x[..., gate:gate + width]) * x[..., up:up + width] over [2, 35, W] (rows on
+    ONNX Runtime's pool), the up half first and the width not in whole vectors; silu of large gates is the gate, of
+    very negative ones -0, and a NaN stays in its place."""
+    from onnx import TensorProto, helper
+
+    width, w = 50, 104
+    node = helper.make_node("SwiGLU", ["x"], ["y"], domain="ai.llmc", gate=52, up=2, width=width)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 35, w])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((2, 35, w)) * 4).astype(np.float32)
+    x[0, 0, 52:60] = [100.0, -100.0, 300.0, -300.0, 88.5, -88.5, 0.0, np.nan]
+    y = sess.run(None, {"x": x})[0]
+    gate, up = x[..., 52 : 52 + width].astype(np.float64), x[..., 2 : 2 + width].astype(np.float64)
+    with np.errstate(over="ignore"):
+        ref = gate / (1.0 + np.exp(-gate)) * up
+    assert y.shape == (2, 35, width)
+    assert np.isnan(y[0, 0, 7]) and np.isnan(ref[0, 0, 7])
+    y[0, 0, 7] = ref[0, 0, 7] = 0.0
+    np.testing.assert_allclose(y, ref, rtol=2e-6, atol=1e-30)

@@ -321,12 +321,12 @@ int64_t attribute_or(const Ort::ConstKernelInfo& ki, const char* name, int64_t f
   }
 }
 
-// e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r with |r| <= ln2 / 2, e^r by its
-// Taylor polynomial to r^6 (relative error about 1e-7), 2^n into the exponent bits; below -87, e^-87.
+// e^x for x <= 87 (scores minus their maximum, minus a gate), 16 at a time: x = n ln2 + r with |r| <= ln2 / 2,
+// e^r by its Taylor polynomial to r^6 (relative error about 1e-7), 2^n into the exponent bits; below -87, e^-87.
 typedef int32_t IVec __attribute__((vector_size(64)));
 
-inline Vec exp_nonpositive(Vec x) {
-  const Vec floor_x = Vec{} - 87.0f;
+inline Vec exp16(Vec x) {
+  const Vec floor_x = splat(-87.0f);
   x = x < floor_x ? floor_x : x;
   const Vec round = Vec{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
   const Vec n = (x * 1.44269504f + round) - round;
@@ -451,7 +451,7 @@ void attend_block(void* data, size_t t) {
     float sum = 0.0f;
     int64_t i = 0;
     for (; i + kLanes <= n; i += kLanes) {
-      const Vec e = exp_nonpositive(load(&s[h][i]) - top);
+      const Vec e = exp16(load(&s[h][i]) - top);
       store(&s[h][i], e);
       sum += hsum(e);
     }
@@ -624,7 +624,7 @@ void attend_chunk(void* data, size_t t) {
         for (int64_t x = 0; x < kLanes; ++x) nan[r] |= bad[x] != 0;
         Vec sum = {};
         for (int64_t b = 0; b < kKeyVecs; ++b) {
-          Vec e = exp_nonpositive(sc[rr][b] - grown);
+          Vec e = exp16(sc[rr][b] - grown);
           if (!whole) e = sc[rr][b] == -INFINITY ? Vec{} : e;
           sum += e;
           store(pr + b * kLanes, e);
@@ -806,6 +806,80 @@ struct DecodeAttentionOp : Ort::CustomOpBase<DecodeAttentionOp<T>, AttentionKern
   }
 };
 
+// ---------------------------------------------------------------------------------------------------
+// SwiGLU(x[..., W]; gate, up, width) -> y[..., width] = silu(x[..., gate : gate + width]) * x[..., up : up + width]
+//
+// The gated MLP's activation straight from its fused gate/up projection (fuse_sibling_linears): one pass
+// where the stock ops slice the gate and the up halves out, then apply sigmoid, and multiply twice.
+// silu(g) = g / (1 + e^-g), with -g clamped to [-87, 87] (past it silu is g, or -0, to float precision).
+
+struct SwigluJob {
+  const float* x;
+  float* y;
+  int64_t rows, w, gate, up, width, per;
+};
+
+void swiglu_rows(void* data, size_t t) {
+  const SwigluJob& job = *static_cast<const SwigluJob*>(data);
+  const int64_t r0 = static_cast<int64_t>(t) * job.per, r1 = std::min(job.rows, r0 + job.per);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* g = job.x + r * job.w + job.gate;
+    const float* u = job.x + r * job.w + job.up;
+    float* y = job.y + r * job.width;
+    int64_t j = 0;
+    for (; j + kLanes <= job.width; j += kLanes) {
+      const Vec gv = load(g + j);
+      Vec neg = splat(0.0f) - gv;
+      neg = neg > splat(87.0f) ? splat(87.0f) : neg;
+      store(y + j, gv / (1.0f + exp16(neg)) * load(u + j));
+    }
+    for (; j < job.width; ++j) y[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+  }
+}
+
+struct SwigluKernel {
+  int64_t gate, up, width;
+
+  SwigluKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    gate = ki.GetAttribute<int64_t>("gate");
+    up = ki.GetAttribute<int64_t>("up");
+    width = ki.GetAttribute<int64_t>("width");
+    if (gate < 0 || up < 0 || width <= 0)
+      throw Ort::Exception("SwiGLU: gate and up must be columns of x and width positive", ORT_INVALID_ARGUMENT);
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    Ort::ConstValue x = ctx.GetInput(0);
+    std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.empty() || std::max(gate, up) + width > shape.back())
+      throw Ort::Exception("SwiGLU: x must be [..., W] with the gate and up columns inside W", ORT_INVALID_ARGUMENT);
+    const int64_t w = shape.back();
+    int64_t rows = 1;
+    for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+    shape.back() = width;
+    Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
+    const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(rows, kTasks));
+    SwigluJob job{x.GetTensorData<float>(), y.GetTensorMutableData<float>(), rows, w, gate, up, width, (rows + tasks - 1) / tasks};
+    const size_t n = static_cast<size_t>((rows + job.per - 1) / job.per);
+    if (n > 1 && rows * width >= kAttentionParallel)
+      ctx.ParallelFor(swiglu_rows, n, 0, &job);
+    else
+      for (size_t t = 0; t < n; ++t) swiglu_rows(&job, t);
+  }
+};
+
+struct SwigluOp : Ort::CustomOpBase<SwigluOp, SwigluKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new SwigluKernel(api, info); }
+  const char* GetName() const { return "SwiGLU"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
 std::mutex domains_mutex;
 std::vector<Ort::CustomOpDomain> domains;  // alive as long as the library: sessions refer to them
 
@@ -816,11 +890,13 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
   static const ShadowCorrectionOp shadow_correction;
   static const DecodeAttentionOp<float> decode_attention;
   static const DecodeAttentionOp<int8_t> decode_attention_int8;
+  static const SwigluOp swiglu;
   try {
     Ort::CustomOpDomain domain{"ai.llmc"};
     domain.Add(&shadow_correction);
     domain.Add(&decode_attention);
     domain.Add(&decode_attention_int8);
+    domain.Add(&swiglu);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(domains_mutex);
     domains.push_back(std::move(domain));
