@@ -107,7 +107,7 @@ class _Builder:
         from onnx import helper
 
         self.helper = helper
-        self.native = native  # llmc's native ops (--cpu-kernels native): shadow corrections, one-row attention
+        self.native = native  # llmc's native ops (--cpu-kernels native): shadow corrections, attention, SwiGLU
         self.graph = graph
         self.sub = sub
         self.rows = rows
@@ -670,7 +670,7 @@ def emit_graphs(graph: Graph, plan: ChunkPlan | DecodePlan, weights: dict[str, d
     feeds them. The graph's entry lists them under ``"streamed"``. Weights in
     ``fed`` become graph inputs too, fed from the runtime's resident memory
     (listed under ``"fed"``). ``native`` writes the shadow corrections as llmc's native op
-    (``--cpu-kernels native``, as :func:`emit_decode_graph` also writes the one-row attention).
+    (``--cpu-kernels native``, as :func:`emit_decode_graph` also writes the attention) and gated MLPs' activations.
     """
 
     table: dict[str, dict[str, Any]] = {}

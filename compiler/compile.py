@@ -305,11 +305,12 @@ def compile_model(
         # loads a graph, which would page in all of them; fed by pointer, only the rows of outlier channels are touched
         shadow_t = frozenset(n.weights["weight_t"].name for n in graph.find("ShadowOutliers"))
         decode_graph = ctx.get(DecodeGraph) if ctx.has(DecodeGraph) else None  # decode as one graph (fuse_decode_graph)
-        # the library is needed only where its ops are: shadow corrections, the decode graph's one-row attention
+        # the library is needed only where its ops are: shadow corrections, the decode graph's attention (and SwiGLU)
         native = cpu_kernels == "native" and (bool(shadow_t) or decode_graph is not None)
+        # the npu target's chunk graphs are the NPU's (QNN): stock ops only
         graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu",
                                           streamed=frozenset(offload["streamed"]) if offload else frozenset(),
-                                          fed=frozenset(offload["resident"]) if offload else frozenset(), native=native)
+                                          fed=frozenset(offload["resident"]) if offload else frozenset(), native=native and target != "npu")
         decode_plan = ctx.get(DecodePlan) if ctx.has(DecodePlan) else None  # none under a budget (fuse_cpu_decode)
         if decode_plan is not None:  # the CPU's program (decode, and CPU prefill) (fuse_cpu_decode)
             graphs.update(onnx_backend.emit_graphs(graph, decode_plan, weights, root, placement="cpu", fed=shadow_t, native=native))

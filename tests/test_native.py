@@ -146,6 +146,10 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
     assert corrected and any(g.endswith(".r1") for g in corrected) and any(not g.endswith(".r1") for g in corrected)
     for g in corrected:
         assert "ShadowCorrection" in native_ops[g] and not {"Clip", "TopK", "Compress", "GatherElements"} & native_ops[g], g
+    # the NPU's graphs (QNN) keep stock ops only
+    npu_graphs = [g for g, e in m["graphs"].items() if e["placement"] == "npu"]
+    assert npu_graphs and not any(op.startswith(("ShadowCorrection", "DecodeAttention", "SwiGLU"))
+                                  for g, ops in native_ops.items() if g.rsplit(".r", 1)[0] in npu_graphs for op in ops)
     # the MLP's activation: SwiGLU straight from the corrected gate/up projection, no Slice of it nor Sigmoid
     decode = f"{m['decode_graph']}.r1"
     assert "SwiGLU" in native_ops[decode] and not {"Sigmoid", "Slice"} & native_ops[decode]

@@ -5,8 +5,11 @@ The library (``llmc_kernels.cc``, domain ``ai.llmc``) holds:
 - ``ShadowCorrection``: a W8A8 projection's float outlier correction, ``y = base + (x - clip(x, lo, hi)) @ wt``,
   visiting each row's own outliers. ONNX Runtime's stock ops can only do it per block of rows over the
   block's union of outlier channels (``llmc.backends.onnx_backend``).
-- ``DecodeAttention`` and ``DecodeAttentionInt8``: the decode graph's one-row attention over its bound KV
-  cache (float32, or int8 codes with per-channel scales), with ``GroupQueryAttention``'s inputs.
+- ``ShadowCorrection``'s weight table may be float16 (``--cpu-kernels native`` stores it so).
+- ``DecodeAttention`` and ``DecodeAttentionInt8``: the decode graph's attention over its bound KV cache
+  (float32, or int8 codes with per-channel scales), with ``GroupQueryAttention``'s inputs: one row, and
+  a chunk of rows (causal, in a sliding window where the model has one).
+- ``SwiGLU``: a gated MLP's ``silu(gate) * up`` from the gate/up projection's one result.
 
 Bundles compiled with ``--cpu-kernels native`` use these ops, and their sessions load the library.
 

@@ -1,5 +1,5 @@
-// llmc's native CPU kernels: an ONNX Runtime custom-op library (domain "ai.llmc"): ShadowCorrection
-// and DecodeAttention (below).
+// llmc's native CPU kernels: an ONNX Runtime custom-op library (domain "ai.llmc"): ShadowCorrection,
+// DecodeAttention (and DecodeAttentionInt8) and SwiGLU (below).
 //
 // ShadowCorrection(x[..., K], wt[K, N], base[..., N]?; lo, hi) -> y[..., N]
 //
@@ -42,8 +42,8 @@ namespace {
 
 constexpr int64_t kTile = 256;  // output columns per task: 1 KiB of a weight row, of an output row
 
-constexpr int64_t kScan = 64;  // x entries checked at once for an outlier without AVX-512 (a vectorised test)
-constexpr int64_t kLanes16 = 16;  // with it (a mask of 16 compares)
+constexpr int64_t kScan = 64;  // x entries tested at once for an outlier without AVX-512 (branch-free, then one at a time)
+constexpr int64_t kMaskLanes = 16;  // with AVX-512: entries compared to a mask at once
 constexpr int64_t kBlockRows = 32;  // a task's rows: blocks of at least this many
 constexpr int64_t kTasks = 8;  // tasks to aim for, column tiles times row blocks
 constexpr size_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
@@ -77,7 +77,7 @@ void find_outliers(const float* x, int64_t rows, int64_t k, float lo, float hi, 
     // 16 entries at a time: a mask of those inside [lo, hi] (an ordered compare: NaN is outside), then the
     // positions of the others
     const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
-    for (; c0 + kLanes16 <= k; c0 += kLanes16) {
+    for (; c0 + kMaskLanes <= k; c0 += kMaskLanes) {
       const __m512 v = _mm512_loadu_ps(xr + c0);
       unsigned outside = static_cast<uint16_t>(~(_mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(v, vhi, _CMP_LE_OQ)));
       while (outside != 0) {
@@ -90,7 +90,7 @@ void find_outliers(const float* x, int64_t rows, int64_t k, float lo, float hi, 
     }
 #else
     for (; c0 + kScan <= k; c0 += kScan) {
-      int any = 0;  // branch-free, so that it vectorises
+      int any = 0;  // branch-free
       for (int64_t c = c0; c < c0 + kScan; ++c) {
         const float v = xr[c];
         any |= static_cast<int>(v < lo) | static_cast<int>(v > hi) | static_cast<int>(v != v);
@@ -300,18 +300,19 @@ struct ShadowCorrectionOp : Ort::CustomOpBase<ShadowCorrectionOp, ShadowKernel> 
 };
 
 // ---------------------------------------------------------------------------------------------------
-// DecodeAttention: one token's attention over a bound KV cache, GroupQueryAttention's signature at one row
+// DecodeAttention: the decode graph's attention over a bound KV cache, GroupQueryAttention's signature
 //
 //   (query, key?, value?, past_key, past_value, seqlens_k, total_sequence_length, cos_cache?, sin_cache?)
-//     -> (output [1, 1, H*D], present_key, present_value)
+//     -> (output [1, S, H*D], present_key, present_value)
 //
-// query is [1, 1, H*D], or q/k/v packed [1, 1, (H + 2*KV)*D] with key and value omitted; the caches are
+// query is [1, S, H*D], or q/k/v packed [1, S, (H + 2*KV)*D] with key and value omitted; the caches are
 // [1, KV, C, D] float32, present bound to past's memory (else past is copied first); seqlens_k [1] is the
-// cache length before the token, which lands at that position. With do_rotary, q and k are rotated
-// there (rotate-half, cos/sin [C, D/2]). Attends over [start, p] with start = p + 1 - local_window_size
-// when one is set. Tasks on ONNX Runtime's pool are a KV head by a block of kPositions positions: all its
-// query heads' scores, softmax terms and weighted V rows, which one pass over the tasks' maxima and
-// sums then merges (as split-K "flash decoding" does).
+// cache length after the rows minus one: the S rows land at positions p0 = seqlens_k - S + 1 to seqlens_k.
+// With do_rotary, q and k are rotated there (rotate-half, cos/sin [C, D/2]). A row at position p attends
+// over [start, p], start = p + 1 - local_window_size when one is set. One row (decode): tasks on ONNX
+// Runtime's pool are a KV head by a block of kPositions positions: all its query heads' scores, softmax
+// terms and weighted V rows, which one pass over the tasks' maxima and sums then merges (as split-K
+// "flash decoding" does). More rows (a prompt's chunk): attend_chunk below.
 
 int64_t attribute_or(const Ort::ConstKernelInfo& ki, const char* name, int64_t fallback) {
   try {
