@@ -481,3 +481,39 @@ def test_swiglu_against_numpy(native_kernels):
     assert np.isnan(y[0, 0, 7]) and np.isnan(ref[0, 0, 7])
     y[0, 0, 7] = ref[0, 0, 7] = 0.0
     np.testing.assert_allclose(y, ref, rtol=2e-6, atol=1e-30)
+
+
+def test_inspect_and_bench_name_the_native_kernels(npu_pair, native_kernels):
+    """`llmc inspect` says a native bundle needs the kernels (text and JSON) and a stock one does not; `llmc bench`
+    names the library it loaded."""
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    def run(*args):
+        r = CliRunner().invoke(cli, [str(a) for a in args])
+        assert r.exit_code == 0, r.output
+        return r.output
+
+    assert "kernels    llmc's native ops" in run("inspect", npu_pair["native"])
+    assert "kernels " not in run("inspect", npu_pair["onnx"])
+    assert json.loads(run("inspect", npu_pair["native"], "--json"))["cpu_kernels"] == "native"
+    assert json.loads(run("inspect", npu_pair["onnx"], "--json"))["cpu_kernels"] == "onnx"
+    out = run("bench", npu_pair["native"], "--prompt-len", 12, "--new-tokens", 2, "--repeat", 1)
+    assert f"kernels  llmc's native ops (--cpu-kernels native) from {native_kernels}" in out
+    assert "kernels" not in run("bench", npu_pair["onnx"], "--prompt-len", 12, "--new-tokens", 2, "--repeat", 1)
+
+
+def test_compile_warns_when_the_kernels_are_not_built(model_dirs, tmp_path, monkeypatch, caplog):
+    """--cpu-kernels native where the kernels are not built: the bundle is written, with a warning that it will
+    not run here until `llmc kernels build`."""
+    import logging
+
+    from llmc.compile import compile_model
+
+    monkeypatch.delenv("LLMC_KERNELS", raising=False)
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "empty"))
+    with caplog.at_level(logging.WARNING, logger="llmc"):
+        compile_model(str(model_dirs("llama")), tmp_path / "b", target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT, cpu_kernels="native")
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["cpu_kernels"] == "native"
+    assert any("kernels are not built" in r.getMessage() and "llmc kernels build" in r.getMessage() for r in caplog.records)
