@@ -219,8 +219,8 @@ class _Builder:
             self.add("LayerNormalization", ins, y, n.name, axis=-1, epsilon=float(a["eps"]))
         elif n.op == "Act" and self.into_swiglu(n):
             pass  # the Mul after it is llmc's SwiGLU (see swiglu)
-        elif n.op == "Mul" and self.swiglu(n) is not None:
-            _, whole, gate, up, width = self.swiglu(n)
+        elif n.op == "Mul" and (fused := self.swiglu(n)) is not None:
+            _, whole, gate, up, width = fused
             self.add("SwiGLU", [whole], y, f"{n.name}.swiglu", domain=NATIVE_DOMAIN, gate=gate, up=up, width=width)
         elif n.op == "Act":
             if a["kind"] == "silu":

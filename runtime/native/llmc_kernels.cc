@@ -137,22 +137,42 @@ inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof v); }
 // x in every lane: one broadcast (Vec{} + x is an addition, 0 + -0 being +0).
 inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
 
-// 16 weights from p on as floats: float32 as they are, float16 (their bits) widened.
+// Two AVX halves as one Vec.
+inline Vec join(__m256 lo, __m256 hi) {
+  Vec v;
+  __builtin_memcpy(&v, &lo, sizeof lo);
+  __builtin_memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+}
+
+// 16 entries from p on as floats: float32 as they are, float16 (their bits: the corrections' weight tables)
+// and int8 codes (a quantized cache's rows; their per-channel scales are folded into q for K and applied to
+// the output for V) widened with the CPU's instructions where there are some (GCC's generic widening is
+// scalar code).
 inline Vec load16(const float* p) { return load(p); }
 
 inline Vec load16(const uint16_t* p) {
 #if defined(__AVX512F__)
   return (Vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif defined(__F16C__)
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  Vec v;
-  __builtin_memcpy(&v, &lo, sizeof lo);
-  __builtin_memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-  return v;
+  return join(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
 #else
   Vec v;
   for (int64_t l = 0; l < kLanes; ++l) v[l] = half_to_float(p[l]);
+  return v;
+#endif
+}
+
+inline Vec load16(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))));
+#else
+  Vec v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
   return v;
 #endif
 }
@@ -361,27 +381,6 @@ inline Vec lane_sums(Vec* a) {
 constexpr int64_t kMaxGroup = 16;    // query heads per KV head that the attention kernel handles
 constexpr int64_t kPositions = 128;  // cache positions per attention task
 
-// A cache row's 16 entries from j on as floats: float32 as they are, int8 codes converted (their
-// per-channel scales are folded into q for K and applied to the output for V).
-inline Vec row16(const float* p) { return load(p); }
-
-inline Vec row16(const int8_t* p) {  // GCC's generic widening is scalar code: the instructions where there are some
-#if defined(__AVX512F__)
-  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
-  Vec v;
-  __builtin_memcpy(&v, &lo, sizeof lo);
-  __builtin_memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-  return v;
-#else
-  Vec v;
-  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
-  return v;
-#endif
-}
-
 template <typename T>
 struct AttentionJob {
   const float* q;  // [H, D], rotated, times K's scales for an int8 cache
@@ -414,7 +413,7 @@ void attend_block(void* data, size_t t) {
         for (int64_t i = 0; i < kLanes; ++i) {
           const T* kr = kg + (first + i) * d;
           Vec acc = {};
-          for (int64_t j = 0; j < d; j += kLanes) acc += load(q + j) * row16(kr + j);
+          for (int64_t j = 0; j < d; j += kLanes) acc += load(q + j) * load16(kr + j);
           a[i] = acc;
         }
         store(&s[h][first], lane_sums(a) * job.scale);
@@ -428,7 +427,7 @@ void attend_block(void* data, size_t t) {
       float dot = 0.0f;
       if (d % kLanes == 0) {
         Vec acc = {};
-        for (int64_t j = 0; j < d; j += kLanes) acc += load(q + j) * row16(kr + j);
+        for (int64_t j = 0; j < d; j += kLanes) acc += load(q + j) * load16(kr + j);
         dot = hsum(acc);
       } else {
         for (int64_t j = 0; j < d; ++j) dot += q[j] * static_cast<float>(kr[j]);
@@ -468,7 +467,7 @@ void attend_block(void* data, size_t t) {
       const float w = s[h][r];
       const T* vr = vg + r * d;
       if (d % kLanes == 0)
-        for (int64_t j = 0; j < d; j += kLanes) store(o + j, load(o + j) + w * row16(vr + j));
+        for (int64_t j = 0; j < d; j += kLanes) store(o + j, load(o + j) + w * load16(vr + j));
       else
         for (int64_t j = 0; j < d; ++j) o[j] += w * static_cast<float>(vr[j]);
     }
@@ -587,7 +586,7 @@ void attend_chunk(void* data, size_t t) {
       vb = vg + k0 * d;
     } else {
       for (int64_t x = 0; x < kn; ++x)
-        for (int64_t j = 0; j < d; j += kLanes) store(vf.data() + x * d + j, row16(vg + (k0 + x) * d + j));
+        for (int64_t j = 0; j < d; j += kLanes) store(vf.data() + x * d + j, load16(vg + (k0 + x) * d + j));
       vb = vf.data();
     }
     for (int64_t r0 = 0; r0 < n; r0 += kRowGroup) {
