@@ -40,10 +40,18 @@
 
 namespace {
 
-constexpr int64_t kTile = 256;  // output columns per task: 1 KiB of a weight row, of an output row
+// Output columns per task, summed in vector registers: with AVX-512, 256 (16 of its 32 registers; 1 KiB of a
+// weight row, of an output row); with AVX, 96 (12 of its 16); else 48.
+#if defined(__AVX512F__)
+constexpr int64_t kTile = 256;
+#elif defined(__AVX__)
+constexpr int64_t kTile = 96;
+#else
+constexpr int64_t kTile = 48;
+#endif
 
-constexpr int64_t kScan = 64;  // x entries tested at once for an outlier without AVX-512 (branch-free, then one at a time)
-constexpr int64_t kMaskLanes = 16;  // with AVX-512: entries compared to a mask at once
+constexpr int64_t kScan = 64;  // x entries tested at once for an outlier without AVX (branch-free, then one at a time)
+constexpr int64_t kMaskLanes = 16;  // entries compared to a mask at once: with AVX-512 16, with AVX 8
 constexpr int64_t kBlockRows = 32;  // a task's rows: blocks of at least this many
 constexpr int64_t kTasks = 8;  // tasks to aim for, column tiles times row blocks
 constexpr size_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
@@ -73,13 +81,24 @@ void find_outliers(const float* x, int64_t rows, int64_t k, float lo, float hi, 
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * k;
     int64_t c0 = 0;
+#if defined(__AVX512F__) || defined(__AVX__)
+    // kMaskLanes (AVX: 8) entries at a time: a mask of those inside [lo, hi] (an ordered compare: NaN is
+    // outside), then the positions of the others
 #if defined(__AVX512F__)
-    // 16 entries at a time: a mask of those inside [lo, hi] (an ordered compare: NaN is outside), then the
-    // positions of the others
+    constexpr int64_t lanes = kMaskLanes;
     const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
-    for (; c0 + kMaskLanes <= k; c0 += kMaskLanes) {
+#else
+    constexpr int64_t lanes = kMaskLanes / 2;
+    const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+#endif
+    for (; c0 + lanes <= k; c0 += lanes) {
+#if defined(__AVX512F__)
       const __m512 v = _mm512_loadu_ps(xr + c0);
       unsigned outside = static_cast<uint16_t>(~(_mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(v, vhi, _CMP_LE_OQ)));
+#else
+      const __m256 v = _mm256_loadu_ps(xr + c0);
+      unsigned outside = ~static_cast<unsigned>(_mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(v, vlo, _CMP_GE_OQ), _mm256_cmp_ps(v, vhi, _CMP_LE_OQ)))) & 0xffu;
+#endif
       while (outside != 0) {
         const int64_t c = c0 + __builtin_ctz(outside);
         outside &= outside - 1;
@@ -124,7 +143,7 @@ inline float half_to_float(uint16_t h) {
 
 // A vector of 16 floats (GCC's vector extension: AVX-512, two AVX registers, or four SSE ones).
 typedef float Vec __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16, kMaxVecs = kTile / kLanes;
+constexpr int64_t kLanes = 16;
 
 inline Vec load(const float* p) {
   Vec v;
@@ -136,6 +155,51 @@ inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof v); }
 
 // x in every lane: one broadcast (Vec{} + x is an addition, 0 + -0 being +0).
 inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// The CPU's own vector of floats (kNative lanes: AVX-512 16, AVX 8, else 4), for the loops that keep sums in
+// registers: GCC keeps a Vec wider than the CPU's registers in memory when it sits in an array, moving it in
+// 8-byte pieces (an AVX2 build's attention ran at 2 useful GFMA/s).
+#if defined(__AVX512F__)
+constexpr int64_t kNative = 16;
+#elif defined(__AVX__)
+constexpr int64_t kNative = 8;
+#else
+constexpr int64_t kNative = 4;
+#endif
+typedef float NVec __attribute__((vector_size(kNative * sizeof(float))));
+
+inline NVec nload(const float* p) {
+  NVec v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void nstore(float* p, NVec v) { __builtin_memcpy(p, &v, sizeof v); }
+
+inline NVec nsplat(float x) {
+#if defined(__AVX512F__)
+  return (NVec)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return (NVec)_mm256_set1_ps(x);
+#else
+  return NVec{x, x, x, x};
+#endif
+}
+
+// kNative entries from p on as floats (float32; float16 bits widened as load16 does).
+inline NVec nload16(const float* p) { return nload(p); }
+
+inline NVec nload16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (NVec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX__) && defined(__F16C__)
+  return (NVec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  NVec v;
+  for (int64_t l = 0; l < kNative; ++l) v[l] = half_to_float(p[l]);
+  return v;
+#endif
+}
 
 // Two AVX halves as one Vec.
 inline Vec join(__m256 lo, __m256 hi) {
@@ -177,6 +241,18 @@ inline Vec load16(const int8_t* p) {
 #endif
 }
 
+inline NVec nload16(const int8_t* p) {
+#if defined(__AVX512F__)
+  return load16(p);
+#elif defined(__AVX2__)
+  return (NVec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  NVec v;
+  for (int64_t l = 0; l < kNative; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return half_to_float(*p); }
 
@@ -186,30 +262,30 @@ struct Job {
   const W* wt;
   const float* base;  // may be null
   float* y;
-  int64_t rows, n, tiles, width, row_blocks;  // width: columns per tile, a multiple of kLanes (the last tile may be narrower)
+  int64_t rows, n, tiles, width, row_blocks;  // width: columns per tile, a multiple of kNative (the last tile may be narrower)
 };
 
-// Rows [r0, r1) of the output's columns [n0, n0 + NV * kLanes): each row's outliers' weight-row slices,
+// Rows [r0, r1) of the output's columns [n0, n0 + NV * kNative): each row's outliers' weight-row slices,
 // scaled and summed in order of channel in NV vector registers, then added to base; the output is written once.
 template <int NV, typename W>
 void tile_rows(const Job<W>& job, int64_t r0, int64_t r1, int64_t n0) {
   const Outliers& o = *job.outliers;
   for (int64_t r = r0; r < r1; ++r) {
-    Vec acc[NV] = {};
+    NVec acc[NV] = {};
     for (int64_t i = o.start[r]; i < o.start[r + 1]; ++i) {
-      const Vec d = splat(o.excess[i]);
+      const NVec d = nsplat(o.excess[i]);
       const W* wr = job.wt + static_cast<int64_t>(o.channel[i]) * job.n + n0;
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[v] += d * load16(wr + v * kLanes);
+      for (int v = 0; v < NV; ++v) acc[v] += d * nload16(wr + v * kNative);
     }
     float* yr = job.y + r * job.n + n0;
     if (job.base != nullptr) {
       const float* br = job.base + r * job.n + n0;
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) store(yr + v * kLanes, load(br + v * kLanes) + acc[v]);
+      for (int v = 0; v < NV; ++v) nstore(yr + v * kNative, nload(br + v * kNative) + acc[v]);
     } else {
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) store(yr + v * kLanes, acc[v]);
+      for (int v = 0; v < NV; ++v) nstore(yr + v * kNative, acc[v]);
     }
   }
 }
@@ -234,21 +310,21 @@ void tail_rows(const Job<W>& job, int64_t r0, int64_t r1, int64_t n0, int64_t n1
 // Task t: column tile t % tiles of the rows in row block t / tiles.
 template <typename W>
 void run_task(void* data, size_t t) {
-  static constexpr auto kernels = tile_kernels<W>(std::make_integer_sequence<int, kMaxVecs>{});
+  static constexpr auto kernels = tile_kernels<W>(std::make_integer_sequence<int, kTile / kNative>{});
   const Job<W>& job = *static_cast<const Job<W>*>(data);
   const int64_t tile = static_cast<int64_t>(t) % job.tiles, block = static_cast<int64_t>(t) / job.tiles;
-  const int64_t n0 = tile * job.width, n1 = std::min(job.n, n0 + job.width), vecs = (n1 - n0) / kLanes;
+  const int64_t n0 = tile * job.width, n1 = std::min(job.n, n0 + job.width), vecs = (n1 - n0) / kNative;
   const int64_t per = (job.rows + job.row_blocks - 1) / job.row_blocks;
   const int64_t r0 = block * per, r1 = std::min(job.rows, r0 + per);
   if (vecs > 0) kernels[vecs - 1](job, r0, r1, n0);
-  if (n0 + vecs * kLanes < n1) tail_rows(job, r0, r1, n0 + vecs * kLanes, n1);
+  if (n0 + vecs * kNative < n1) tail_rows(job, r0, r1, n0 + vecs * kNative, n1);
 }
 
 template <typename W>
 void correct(Ort::KernelContext& ctx, const Outliers& outliers, const W* wt, const float* base, float* y, int64_t rows, int64_t n) {
   // columns in as few tiles of at most kTile as there can be, of even widths (whole vectors but the last's end)
   const int64_t tiles = (n + kTile - 1) / kTile;
-  const int64_t width = ((n + tiles - 1) / tiles + kLanes - 1) / kLanes * kLanes;
+  const int64_t width = ((n + tiles - 1) / tiles + kNative - 1) / kNative * kNative;
   // as few row blocks as make kTasks tasks (a block's rows share its weight-row slices in cache), of
   // kBlockRows rows at least
   const int64_t row_blocks = std::max<int64_t>(1, std::min<int64_t>(rows / kBlockRows, (kTasks + tiles - 1) / tiles));
@@ -342,32 +418,39 @@ int64_t attribute_or(const Ort::ConstKernelInfo& ki, const char* name, int64_t f
   }
 }
 
-// e^x for x <= 87 (scores minus their maximum, minus a gate), 16 at a time: x = n ln2 + r with |r| <= ln2 / 2,
-// e^r by its Taylor polynomial to r^6 (relative error about 1e-7), 2^n into the exponent bits; below -87, e^-87.
+// e^x for x <= 87 (scores minus their maximum, minus a gate), a vector (Vec or NVec) at a time: x = n ln2 + r
+// with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error about 1e-7), 2^n into the exponent
+// bits; below -87, e^-87.
 typedef int32_t IVec __attribute__((vector_size(64)));
+typedef int32_t NIVec __attribute__((vector_size(kNative * sizeof(int32_t))));
 
-inline Vec exp16(Vec x) {
-  const Vec floor_x = splat(-87.0f);
+template <typename V>
+inline V vexp(V x) {
+  using I = decltype(x < x);  // the integer vector of V's lanes
+  const V floor_x = V{} - 87.0f;
   x = x < floor_x ? floor_x : x;
-  const Vec round = Vec{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const Vec n = (x * 1.44269504f + round) - round;
-  const Vec r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln 2 in two parts
-  Vec e = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-  const IVec bits = (IVec)e + (__builtin_convertvector(n, IVec) << 23);
-  return (Vec)bits;
+  const V round = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const V n = (x * 1.44269504f + round) - round;
+  const V r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln 2 in two parts
+  V e = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  const I bits = (I)e + (__builtin_convertvector(n, I) << 23);
+  return (V)bits;
 }
 
-inline float hsum(Vec v) {
+template <typename V>
+inline float hsum(V v) {
   float t = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) t += v[l];
+  for (size_t l = 0; l < sizeof(V) / sizeof(float); ++l) t += v[l];
   return t;
 }
 
-// The lane sums of 16 vectors as one vector (lane i: the sum of a[i]'s lanes): four levels that each add
-// the halves of pairs, 15 shuffle-adds in place of 16 horizontal sums.
+// The lane sums of kNative native vectors as one vector (lane i: the sum of a[i]'s lanes). AVX-512: four
+// levels that each add the halves of pairs, 15 shuffle-adds in place of 16 horizontal sums; AVX: three levels
+// of horizontal adds, then the two halves' sums added.
+#if defined(__AVX512F__)
 inline Vec fold(Vec x, Vec y, IVec lo, IVec hi) { return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi); }
 
-inline Vec lane_sums(Vec* a) {
+inline NVec lane_sums(NVec* a) {
   const IVec lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const IVec lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
   const IVec lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
@@ -377,6 +460,20 @@ inline Vec lane_sums(Vec* a) {
   for (int i = 0; i < 2; ++i) a[i] = fold(a[2 * i], a[2 * i + 1], lo2, lo2 + 2);
   return fold(a[0], a[1], lo1, lo1 + 1);
 }
+#elif defined(__AVX__)
+inline NVec lane_sums(NVec* a) {
+  __m256 t[4];
+  for (int i = 0; i < 4; ++i) t[i] = _mm256_hadd_ps((__m256)a[2 * i], (__m256)a[2 * i + 1]);
+  const __m256 u0 = _mm256_hadd_ps(t[0], t[1]), u1 = _mm256_hadd_ps(t[2], t[3]);
+  return (NVec)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#else
+inline NVec lane_sums(NVec* a) {
+  NVec v;
+  for (int64_t i = 0; i < kNative; ++i) v[i] = hsum(a[i]);
+  return v;
+}
+#endif
 
 constexpr int64_t kMaxGroup = 16;    // query heads per KV head that the attention kernel handles
 constexpr int64_t kPositions = 128;  // cache positions per attention task
@@ -405,18 +502,18 @@ void attend_block(void* data, size_t t) {
   const T* kg = job.k + (g * job.c + t0) * d;
   const T* vg = job.v + (g * job.c + t0) * d;
   int64_t first = 0;
-  if (d % kLanes == 0) {  // 16 positions at a time: their dot products' lane sums in one vector
-    for (; first + kLanes <= n; first += kLanes) {
+  if (d % kNative == 0) {  // kNative positions at a time: their dot products' lane sums in one vector
+    for (; first + kNative <= n; first += kNative) {
       for (int64_t h = 0; h < job.group; ++h) {
         const float* q = job.q + (g * job.group + h) * d;
-        Vec a[kLanes];
-        for (int64_t i = 0; i < kLanes; ++i) {
+        NVec a[kNative];
+        for (int64_t i = 0; i < kNative; ++i) {
           const T* kr = kg + (first + i) * d;
-          Vec acc = {};
-          for (int64_t j = 0; j < d; j += kLanes) acc += load(q + j) * load16(kr + j);
+          NVec acc = {};
+          for (int64_t j = 0; j < d; j += kNative) acc += nload(q + j) * nload16(kr + j);
           a[i] = acc;
         }
-        store(&s[h][first], lane_sums(a) * job.scale);
+        nstore(&s[h][first], lane_sums(a) * job.scale);
       }
     }
   }
@@ -425,9 +522,9 @@ void attend_block(void* data, size_t t) {
     for (int64_t h = 0; h < job.group; ++h) {
       const float* q = job.q + (g * job.group + h) * d;
       float dot = 0.0f;
-      if (d % kLanes == 0) {
-        Vec acc = {};
-        for (int64_t j = 0; j < d; j += kLanes) acc += load(q + j) * load16(kr + j);
+      if (d % kNative == 0) {
+        NVec acc = {};
+        for (int64_t j = 0; j < d; j += kNative) acc += nload(q + j) * nload16(kr + j);
         dot = hsum(acc);
       } else {
         for (int64_t j = 0; j < d; ++j) dot += q[j] * static_cast<float>(kr[j]);
@@ -450,9 +547,9 @@ void attend_block(void* data, size_t t) {
     }
     float sum = 0.0f;
     int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-      const Vec e = exp16(load(&s[h][i]) - top);
-      store(&s[h][i], e);
+    for (; i + kNative <= n; i += kNative) {
+      const NVec e = vexp(nload(&s[h][i]) - top);
+      nstore(&s[h][i], e);
       sum += hsum(e);
     }
     for (; i < n; ++i) {
@@ -466,8 +563,8 @@ void attend_block(void* data, size_t t) {
     for (int64_t r = 0; r < n; ++r) {
       const float w = s[h][r];
       const T* vr = vg + r * d;
-      if (d % kLanes == 0)
-        for (int64_t j = 0; j < d; j += kLanes) store(o + j, load(o + j) + w * load16(vr + j));
+      if (d % kNative == 0)
+        for (int64_t j = 0; j < d; j += kNative) nstore(o + j, nload(o + j) + w * nload16(vr + j));
       else
         for (int64_t j = 0; j < d; ++j) o[j] += w * static_cast<float>(vr[j]);
     }
@@ -498,9 +595,12 @@ __attribute__((optimize("fp-contract=off"))) void rotate(float* x, int64_t heads
 // local_window_size of them); blocks past a row's position give it nothing.
 constexpr int64_t kQueryBlock = 16;   // a chunk task's positions
 constexpr int64_t kKeyBlock = 64;     // cache positions per step of a chunk task
-constexpr int64_t kKeyVecs = kKeyBlock / kLanes;
 constexpr int64_t kMaxHeadSize = 256;  // a chunk's head size at most (and a multiple of kLanes)
-constexpr int kRowGroup = 6;  // query rows whose scores and outputs are computed together (in 24 vector registers)
+constexpr int kRowGroup = 6;  // query rows whose scores and outputs are computed together
+// native vectors of keys whose scores, and of output columns whose sums, a pass keeps in registers for the
+// kRowGroup rows: with AVX-512 4 (24 of its 32 registers), else 2 (AVX: 12 of its 16)
+constexpr int64_t kPassVecs = kNative == 16 ? 4 : 2;
+constexpr int64_t kKeyNative = kKeyBlock / kNative;
 
 template <typename T>
 struct ChunkJob {
@@ -513,46 +613,58 @@ struct ChunkJob {
   float scale;
 };
 
-const IVec lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+NIVec lane_numbers() {
+  NIVec v;
+  for (int64_t l = 0; l < kNative; ++l) v[l] = static_cast<int32_t>(l);
+  return v;
+}
 
-inline float hmax(Vec v) {
+const NIVec native_index = lane_numbers();
+
+inline float hmax(NVec v) {
   float t = v[0];
-  for (int64_t l = 1; l < kLanes; ++l) t = std::max(t, v[l]);
+  for (int64_t l = 1; l < kNative; ++l) t = std::max(t, v[l]);
   return t;
 }
 
-// The scores of kRowGroup query rows against a block of keys transposed ([d][kKeyBlock]).
-inline void group_scores(const float* const* q, const float* kt, int64_t d, Vec (&s)[kRowGroup][kKeyVecs]) {
-  for (auto& row : s)
-    for (auto& v : row) v = Vec{};
-  for (int64_t j = 0; j < d; ++j) {
-    Vec kv[kKeyVecs];
+// The scores of kRowGroup query rows against a block of keys transposed ([d][kKeyBlock]), kPassVecs native
+// vectors of keys a pass.
+inline void group_scores(const float* const* q, const float* kt, int64_t d, float (&s)[kRowGroup][kKeyBlock]) {
+  for (int64_t b0 = 0; b0 < kKeyNative; b0 += kPassVecs) {
+    NVec acc[kRowGroup][kPassVecs] = {};
+    for (int64_t j = 0; j < d; ++j) {
+      NVec kv[kPassVecs];
 #pragma GCC unroll 4
-    for (int64_t b = 0; b < kKeyVecs; ++b) kv[b] = load(kt + j * kKeyBlock + b * kLanes);
+      for (int64_t b = 0; b < kPassVecs; ++b) kv[b] = nload(kt + j * kKeyBlock + (b0 + b) * kNative);
 #pragma GCC unroll 8
-    for (int r = 0; r < kRowGroup; ++r) {
-      const Vec qv = splat(q[r][j]);
+      for (int r = 0; r < kRowGroup; ++r) {
+        const NVec qv = nsplat(q[r][j]);
 #pragma GCC unroll 4
-      for (int64_t b = 0; b < kKeyVecs; ++b) s[r][b] += qv * kv[b];
+        for (int64_t b = 0; b < kPassVecs; ++b) acc[r][b] += qv * kv[b];
+      }
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 4
+      for (int64_t b = 0; b < kPassVecs; ++b) nstore(&s[r][(b0 + b) * kNative], acc[r][b]);
   }
 }
 
-// kRowGroup rows' outputs, columns [c0, c0 + CN * kLanes): += p[r][t] * value row t, for the block's kn rows.
+// kRowGroup rows' outputs, columns [c0, c0 + CN * kNative): += p[r][t] * value row t, for the block's kn rows.
 template <int CN>
 inline void group_values(const float (*p)[kKeyBlock], int64_t kn, const float* vb, int64_t d, int64_t c0, float* const* acc) {
-  Vec o[kRowGroup][CN];
+  NVec o[kRowGroup][CN];
 #pragma GCC unroll 8
   for (int r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 4
-    for (int x = 0; x < CN; ++x) o[r][x] = load(acc[r] + c0 + x * kLanes);
+    for (int x = 0; x < CN; ++x) o[r][x] = nload(acc[r] + c0 + x * kNative);
   for (int64_t t = 0; t < kn; ++t) {
-    Vec vv[CN];
+    NVec vv[CN];
 #pragma GCC unroll 4
-    for (int x = 0; x < CN; ++x) vv[x] = load(vb + t * d + c0 + x * kLanes);
+    for (int x = 0; x < CN; ++x) vv[x] = nload(vb + t * d + c0 + x * kNative);
 #pragma GCC unroll 8
     for (int r = 0; r < kRowGroup; ++r) {
-      const Vec pr = splat(p[r][t]);
+      const NVec pr = nsplat(p[r][t]);
 #pragma GCC unroll 4
       for (int x = 0; x < CN; ++x) o[r][x] += pr * vv[x];
     }
@@ -560,7 +672,7 @@ inline void group_values(const float (*p)[kKeyBlock], int64_t kn, const float* v
 #pragma GCC unroll 8
   for (int r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 4
-    for (int x = 0; x < CN; ++x) store(acc[r] + c0 + x * kLanes, o[r][x]);
+    for (int x = 0; x < CN; ++x) nstore(acc[r] + c0 + x * kNative, o[r][x]);
 }
 
 template <typename T>
@@ -596,7 +708,7 @@ void attend_chunk(void* data, size_t t) {
         qs[rr] = qrow(std::min(r0 + rr, n - 1));
         as[rr] = acc.data() + (r0 + rr) * d;  // rows past n: padding, given zero weights
       }
-      Vec sc[kRowGroup][kKeyVecs];
+      alignas(64) float sc[kRowGroup][kKeyBlock];
       group_scores(qs, kt.data(), d, sc);
       for (int rr = 0; rr < kRowGroup; ++rr) {
         const int64_t r = r0 + rr, pos = job.p0 + i0 + r / job.group;
@@ -606,37 +718,39 @@ void attend_chunk(void* data, size_t t) {
           std::fill(pr, pr + kKeyBlock, 0.0f);
           continue;
         }
-        // the row's scores in [tb, te) (the others -inf, then weight 0): maximum, e^(s - max) and their sum, 16 at a time
+        // the row's scores in [tb, te) (the others -inf, then weight 0): maximum, e^(s - max) and their sum, a
+        // native vector at a time
         const bool whole = tb == 0 && te == kKeyBlock;
-        Vec top = Vec{} - INFINITY;
-        IVec bad = {};
-        for (int64_t b = 0; b < kKeyVecs; ++b) {
-          Vec x = sc[rr][b] * job.scale;
+        NVec top = nsplat(-INFINITY);
+        NIVec bad = {};
+        for (int64_t b = 0; b < kKeyNative; ++b) {
+          NVec x = nload(&sc[rr][b * kNative]) * job.scale;
           if (!whole) {
-            const IVec at = lane_index + static_cast<int32_t>(b * kLanes);
-            x = (at >= static_cast<int32_t>(tb)) & (at < static_cast<int32_t>(te)) ? x : Vec{} - INFINITY;
+            const NIVec at = native_index + static_cast<int32_t>(b * kNative);
+            x = (at >= static_cast<int32_t>(tb)) & (at < static_cast<int32_t>(te)) ? x : nsplat(-INFINITY);
           }
           bad |= x != x;
           top = top > x ? top : x;
-          sc[rr][b] = x;
+          nstore(&sc[rr][b * kNative], x);
         }
         const float grown = std::max(m[r], hmax(top)), rescale = std::exp(m[r] - grown);
-        for (int64_t x = 0; x < kLanes; ++x) nan[r] |= bad[x] != 0;
-        Vec sum = {};
-        for (int64_t b = 0; b < kKeyVecs; ++b) {
-          Vec e = exp16(sc[rr][b] - grown);
-          if (!whole) e = sc[rr][b] == -INFINITY ? Vec{} : e;
+        for (int64_t x = 0; x < kNative; ++x) nan[r] |= bad[x] != 0;
+        NVec sum = {};
+        for (int64_t b = 0; b < kKeyNative; ++b) {
+          const NVec x = nload(&sc[rr][b * kNative]);
+          NVec e = vexp(x - grown);
+          if (!whole) e = x == -INFINITY ? NVec{} : e;
           sum += e;
-          store(pr + b * kLanes, e);
+          nstore(pr + b * kNative, e);
         }
         l[r] = l[r] * rescale + hsum(sum);
         m[r] = grown;
         if (rescale != 1.0f)
-          for (int64_t j = 0; j < d; j += kLanes) store(as[rr] + j, load(as[rr] + j) * rescale);
+          for (int64_t j = 0; j < d; j += kNative) nstore(as[rr] + j, nload(as[rr] + j) * rescale);
       }
       int64_t c0 = 0;
-      for (; c0 + 4 * kLanes <= d; c0 += 4 * kLanes) group_values<4>(pb, kn, vb, d, c0, as);
-      switch ((d - c0) / kLanes) {
+      for (; c0 + kPassVecs * kNative <= d; c0 += kPassVecs * kNative) group_values<kPassVecs>(pb, kn, vb, d, c0, as);
+      switch ((d - c0) / kNative) {
         case 3: group_values<3>(pb, kn, vb, d, c0, as); break;
         case 2: group_values<2>(pb, kn, vb, d, c0, as); break;
         case 1: group_values<1>(pb, kn, vb, d, c0, as); break;
@@ -827,11 +941,11 @@ void swiglu_rows(void* data, size_t t) {
     const float* u = job.x + r * job.w + job.up;
     float* y = job.y + r * job.width;
     int64_t j = 0;
-    for (; j + kLanes <= job.width; j += kLanes) {
-      const Vec gv = load(g + j);
-      Vec neg = splat(0.0f) - gv;
-      neg = neg > splat(87.0f) ? splat(87.0f) : neg;
-      store(y + j, gv / (1.0f + exp16(neg)) * load(u + j));
+    for (; j + kNative <= job.width; j += kNative) {
+      const NVec gv = nload(g + j);
+      NVec neg = NVec{} - gv;
+      neg = neg > nsplat(87.0f) ? nsplat(87.0f) : neg;
+      nstore(y + j, gv / (1.0f + vexp(neg)) * nload(u + j));
     }
     for (; j < job.width; ++j) y[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
   }
