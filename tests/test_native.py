@@ -381,13 +381,15 @@ def test_more_than_16_query_heads_per_kv_head_keep_group_query_attention(tmp_pat
                                                    "total": np.ones((), np.int32)})
 
 
-def test_decode_attention_against_numpy(native_kernels):
+@pytest.mark.parametrize("d", [16, 80, 20])
+def test_decode_attention_against_numpy(native_kernels, d):
     """DecodeAttention alone, q/k/v separate, no rotary, 300 positions (3 split-K blocks, a partial one): the
     new K/V row lands at seqlens_k, the output is softmax(q k^T * scale) v per head over the group's KV
-    head, and a NaN in one head's query makes that head's output NaN and no other's."""
+    head, and a NaN in one head's query makes that head's output NaN and no other's. Head sizes: whole
+    vectors (16), whole vectors past the widest register block (80), and one the vector loops do not take (20)."""
     from onnx import TensorProto, helper
 
-    heads, kv, d, cap, p = 4, 2, 16, 320, 299
+    heads, kv, cap, p = 4, 2, 320, 299
     vi = helper.make_tensor_value_info
     node = helper.make_node("DecodeAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["o", "ck", "cv"], domain="ai.llmc",
                             num_heads=heads, kv_num_heads=kv, scale=0.25)

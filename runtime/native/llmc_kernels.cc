@@ -491,6 +491,36 @@ struct AttentionJob {
   float* o;
 };
 
+// A block of cache rows as floats: float rows as they are, int8 codes widened once into buf (the loops below
+// read each row once per query head of the group).
+template <typename T>
+const float* rows_as_float(const T* src, int64_t count, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    buf.resize(static_cast<size_t>(count));
+    int64_t i = 0;
+    for (; i + kNative <= count; i += kNative) nstore(buf.data() + i, nload16(src + i));
+    for (; i < count; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf.data();
+  }
+}
+
+// o[c0, c0 + CN * kNative) = sum over the n rows of w[r] * v's row r, summed in CN vector registers.
+template <int CN>
+inline void weighted_rows(const float* w, int64_t n, const float* v, int64_t d, int64_t c0, float* o) {
+  NVec acc[CN] = {};
+  for (int64_t r = 0; r < n; ++r) {
+    const NVec wr = nsplat(w[r]);
+#pragma GCC unroll 8
+    for (int x = 0; x < CN; ++x) acc[x] += wr * nload(v + r * d + c0 + x * kNative);
+  }
+#pragma GCC unroll 8
+  for (int x = 0; x < CN; ++x) nstore(o + c0 + x * kNative, acc[x]);
+}
+
+constexpr int kRowVecs = kNative == 16 ? 4 : 8;  // weighted_rows' registers (AVX: 8 of 16, 64 columns)
+
 // Task t: KV head t / blocks over the positions of block t % blocks, for each of its query heads: the
 // scores (each K row read once for the group), their e^(s - m) and sum, and the e-weighted sum of V rows.
 template <typename T>
@@ -499,8 +529,9 @@ void attend_block(void* data, size_t t) {
   const int64_t g = static_cast<int64_t>(t) / job.blocks, b = static_cast<int64_t>(t) % job.blocks, d = job.d;
   const int64_t t0 = job.start + b * kPositions, n = std::min(job.total - t0, kPositions);
   alignas(64) float s[kMaxGroup][kPositions];
-  const T* kg = job.k + (g * job.c + t0) * d;
-  const T* vg = job.v + (g * job.c + t0) * d;
+  thread_local std::vector<float> kbuf, vbuf;
+  const float* kg = rows_as_float(job.k + (g * job.c + t0) * d, n * d, kbuf);
+  const float* vg = rows_as_float(job.v + (g * job.c + t0) * d, n * d, vbuf);
   int64_t first = 0;
   if (d % kNative == 0) {  // kNative positions at a time: their dot products' lane sums in one vector
     for (; first + kNative <= n; first += kNative) {
@@ -508,9 +539,9 @@ void attend_block(void* data, size_t t) {
         const float* q = job.q + (g * job.group + h) * d;
         NVec a[kNative];
         for (int64_t i = 0; i < kNative; ++i) {
-          const T* kr = kg + (first + i) * d;
+          const float* kr = kg + (first + i) * d;
           NVec acc = {};
-          for (int64_t j = 0; j < d; j += kNative) acc += nload(q + j) * nload16(kr + j);
+          for (int64_t j = 0; j < d; j += kNative) acc += nload(q + j) * nload(kr + j);
           a[i] = acc;
         }
         nstore(&s[h][first], lane_sums(a) * job.scale);
@@ -518,16 +549,16 @@ void attend_block(void* data, size_t t) {
     }
   }
   for (int64_t i = first; i < n; ++i) {
-    const T* kr = kg + i * d;
+    const float* kr = kg + i * d;
     for (int64_t h = 0; h < job.group; ++h) {
       const float* q = job.q + (g * job.group + h) * d;
       float dot = 0.0f;
       if (d % kNative == 0) {
         NVec acc = {};
-        for (int64_t j = 0; j < d; j += kNative) acc += nload(q + j) * nload16(kr + j);
+        for (int64_t j = 0; j < d; j += kNative) acc += nload(q + j) * nload(kr + j);
         dot = hsum(acc);
       } else {
-        for (int64_t j = 0; j < d; ++j) dot += q[j] * static_cast<float>(kr[j]);
+        for (int64_t j = 0; j < d; ++j) dot += q[j] * kr[j];
       }
       s[h][i] = dot * job.scale;
     }
@@ -559,14 +590,15 @@ void attend_block(void* data, size_t t) {
     job.m[slot] = top;
     job.l[slot] = sum;
     float* o = job.o + slot * d;
-    std::fill(o, o + d, 0.0f);
-    for (int64_t r = 0; r < n; ++r) {
-      const float w = s[h][r];
-      const T* vr = vg + r * d;
-      if (d % kNative == 0)
-        for (int64_t j = 0; j < d; j += kNative) nstore(o + j, nload(o + j) + w * nload16(vr + j));
-      else
-        for (int64_t j = 0; j < d; ++j) o[j] += w * static_cast<float>(vr[j]);
+    int64_t c0 = 0;
+    if (d % kNative == 0) {
+      for (; c0 + kRowVecs * kNative <= d; c0 += kRowVecs * kNative) weighted_rows<kRowVecs>(s[h], n, vg, d, c0, o);
+      for (; c0 < d; c0 += kNative) weighted_rows<1>(s[h], n, vg, d, c0, o);
+    }
+    for (; c0 < d; ++c0) {
+      float acc = 0.0f;
+      for (int64_t r = 0; r < n; ++r) acc += s[h][r] * vg[r * d + c0];
+      o[c0] = acc;
     }
     if (job.v_scale != nullptr)
       for (int64_t j = 0; j < d; ++j) o[j] *= job.v_scale[g * d + j];
