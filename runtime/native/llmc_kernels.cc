@@ -659,26 +659,39 @@ inline float hmax(NVec v) {
   return t;
 }
 
-// The scores of kRowGroup query rows against a block of keys transposed ([d][kKeyBlock]), kPassVecs native
-// vectors of keys a pass.
-inline void group_scores(const float* const* q, const float* kt, int64_t d, float (&s)[kRowGroup][kKeyBlock]) {
-  for (int64_t b0 = 0; b0 < kKeyNative; b0 += kPassVecs) {
-    NVec acc[kRowGroup][kPassVecs] = {};
-    for (int64_t j = 0; j < d; ++j) {
-      NVec kv[kPassVecs];
+// The scores of kRowGroup query rows against P native vectors of keys from vector b0 of a block transposed
+// ([d][kKeyBlock]), summed in kRowGroup * P registers.
+template <int P>
+inline void score_pass(const float* const* q, const float* kt, int64_t d, float (&s)[kRowGroup][kKeyBlock], int64_t b0) {
+  NVec acc[kRowGroup][P] = {};
+  for (int64_t j = 0; j < d; ++j) {
+    NVec kv[P];
 #pragma GCC unroll 4
-      for (int64_t b = 0; b < kPassVecs; ++b) kv[b] = nload(kt + j * kKeyBlock + (b0 + b) * kNative);
+    for (int b = 0; b < P; ++b) kv[b] = nload(kt + j * kKeyBlock + (b0 + b) * kNative);
 #pragma GCC unroll 8
-      for (int r = 0; r < kRowGroup; ++r) {
-        const NVec qv = nsplat(q[r][j]);
+    for (int r = 0; r < kRowGroup; ++r) {
+      const NVec qv = nsplat(q[r][j]);
 #pragma GCC unroll 4
-        for (int64_t b = 0; b < kPassVecs; ++b) acc[r][b] += qv * kv[b];
-      }
+      for (int b = 0; b < P; ++b) acc[r][b] += qv * kv[b];
     }
+  }
 #pragma GCC unroll 8
-    for (int r = 0; r < kRowGroup; ++r)
+  for (int r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 4
-      for (int64_t b = 0; b < kPassVecs; ++b) nstore(&s[r][(b0 + b) * kNative], acc[r][b]);
+    for (int b = 0; b < P; ++b) nstore(&s[r][(b0 + b) * kNative], acc[r][b]);
+}
+
+// The scores of kRowGroup query rows against the first kn keys of a block (in whole native vectors: the
+// scores past them are left unset, and the rows' masks drop them), kPassVecs vectors a pass.
+inline void group_scores(const float* const* q, const float* kt, int64_t d, float (&s)[kRowGroup][kKeyBlock], int64_t kn) {
+  const int64_t vecs = (kn + kNative - 1) / kNative;
+  int64_t b0 = 0;
+  for (; b0 + kPassVecs <= vecs; b0 += kPassVecs) score_pass<kPassVecs>(q, kt, d, s, b0);
+  switch (vecs - b0) {
+    case 3: score_pass<3>(q, kt, d, s, b0); break;
+    case 2: score_pass<2>(q, kt, d, s, b0); break;
+    case 1: score_pass<1>(q, kt, d, s, b0); break;
+    default: break;
   }
 }
 
@@ -741,7 +754,7 @@ void attend_chunk(void* data, size_t t) {
         as[rr] = acc.data() + (r0 + rr) * d;  // rows past n: padding, given zero weights
       }
       alignas(64) float sc[kRowGroup][kKeyBlock];
-      group_scores(qs, kt.data(), d, sc);
+      group_scores(qs, kt.data(), d, sc, kn);
       for (int rr = 0; rr < kRowGroup; ++rr) {
         const int64_t r = r0 + rr, pos = job.p0 + i0 + r / job.group;
         const int64_t tb = job.window > 0 ? std::max<int64_t>(0, pos + 1 - job.window - k0) : 0, te = std::min(kn, pos + 1 - k0);
