@@ -18,7 +18,10 @@ Op lowering (opset 23):
 IR op           ONNX
 ==============  ==========================================================
 Linear          Gemm(x, W, b, transB=1) — W stays [out, in], shared with a tied embedding
-RMSNorm         RMSNormalization(x, offset + w, axis=-1)
+RMSNorm         RMSNormalization(x, offset + w, axis=-1); with llmc's native ops, where
+                a W8A8 projection reads it, ai.llmc.RMSNorm, which writes the
+                projection's uint8 codes too (SwiGLU likewise), and a block's last
+                correction adds the residual stream (no Add)
 LayerNorm       LayerNormalization(x, w, b, axis=-1)
 Act             Sigmoid·x (silu), Gelu(approximate=none|tanh)
 QLinear         QuantizeLinear, DequantizeLinear (x: uint8; W: int8, zero point 0),
@@ -124,6 +127,9 @@ class _Builder:
         self.extra_outputs: list[Any] = []
         self.values = {}
         self.members = set(sub.nodes)
+        self.order = {name: i for i, name in enumerate(sub.nodes)}
+        self.codes: dict[str, tuple[float, int, str]] = {}  # value -> (scale, zero point, its uint8 codes) a native op wrote
+        self.absorbed: set[str] = set()  # residual Adds a native correction does (see residual_add)
         for n in (graph.node(x) for x in sub.nodes):
             for v in list(n.inputs) + list(n.outputs):
                 self.values[v.name] = v
@@ -170,8 +176,13 @@ class _Builder:
         elif n.op == "QLinear":
             sc = self.const(f"{n.name}.x_scale", np.array(a["x_scale"], np.float32))
             zp = self.const(f"{n.name}.x_zero_point", np.array(a["x_zero_point"], np.uint8))
-            self.add("QuantizeLinear", x + [sc, zp], [f"{n.name}.xq"], f"{n.name}.quant")
-            self.add("DequantizeLinear", [f"{n.name}.xq", sc, zp], [f"{n.name}.xdq"], f"{n.name}.dequant")
+            made = self.codes.get(x[0])
+            if made is not None and made[:2] == (float(a["x_scale"]), int(a["x_zero_point"])):
+                xq = made[2]  # the native op that made x wrote its codes too (see quantized_by)
+            else:
+                xq = f"{n.name}.xq"
+                self.add("QuantizeLinear", x + [sc, zp], [xq], f"{n.name}.quant")
+            self.add("DequantizeLinear", [xq, sc, zp], [f"{n.name}.xdq"], f"{n.name}.dequant")
             wq, ws = self.weight(n.weights["qweight"]), self.weight(n.weights["wscale"])
             out_f = n.weights["qweight"].shape[1]
             per_channel = n.weights["wscale"].shape != (1,)
@@ -211,7 +222,11 @@ class _Builder:
                 off = self.const(f"{n.name}.offset", np.array(a["offset"], np.float32))
                 self.add("Add", [w, off], [f"{n.name}.scale"], f"{n.name}.scale")
                 w = f"{n.name}.scale"
-            self.add("RMSNormalization", x + [w], y, n.name, axis=-1, epsilon=float(a["eps"]))
+            if (quant := self.quantized_by(n.outputs[0])) is not None:
+                self.add("RMSNorm", x + [w], y + [self.made_codes(y[0], quant)], f"{n.name}.native", domain=NATIVE_DOMAIN,
+                         epsilon=float(a["eps"]), scale=quant[0], zero_point=quant[1])
+            else:
+                self.add("RMSNormalization", x + [w], y, n.name, axis=-1, epsilon=float(a["eps"]))
         elif n.op == "LayerNorm":
             ins = x + [self.weight(n.weights["weight"])]
             if "bias" in n.weights:
@@ -221,13 +236,18 @@ class _Builder:
             pass  # the Mul after it is llmc's SwiGLU (see swiglu)
         elif n.op == "Mul" and (fused := self.swiglu(n)) is not None:
             _, whole, gate, up, width = fused
-            self.add("SwiGLU", [whole], y, f"{n.name}.swiglu", domain=NATIVE_DOMAIN, gate=gate, up=up, width=width)
+            quant = self.quantized_by(n.outputs[0])
+            codes = {} if quant is None else {"scale": quant[0], "zero_point": quant[1]}
+            outs = y if quant is None else y + [self.made_codes(y[0], quant)]
+            self.add("SwiGLU", [whole], outs, f"{n.name}.swiglu", domain=NATIVE_DOMAIN, gate=gate, up=up, width=width, **codes)
         elif n.op == "Act":
             if a["kind"] == "silu":
                 self.add("Sigmoid", x, [f"{n.name}.sigmoid"], f"{n.name}.sigmoid")
                 self.add("Mul", [x[0], f"{n.name}.sigmoid"], y, n.name)
             else:
                 self.add("Gelu", x, y, n.name, approximate="tanh" if a["kind"] == "gelu_tanh" else "none")
+        elif n.op == "Add" and n.name in self.absorbed:
+            pass  # a native correction adds it (see residual_add)
         elif n.op in ("Add", "Mul"):
             self.add(n.op, x, y, n.name)
         elif n.op == "Scale":
@@ -279,6 +299,38 @@ class _Builder:
         if not v.uses or v.name in self.sub.outputs:
             return False
         return all((u.op == "Mul" and self.swiglu(u) is not None) or (u.op == "Act" and self.into_swiglu(u)) for u, _ in v.uses)
+
+    def quantized_by(self, v: Value) -> tuple[float, int] | None:
+        """In a graph with llmc's native ops: (scale, zero point) when the W8A8 projections of this graph that read
+        ``v`` all quantize it alike, so that the native op that makes ``v`` (RMSNorm, SwiGLU) writes their uint8 codes
+        too and no QuantizeLinear runs; else None."""
+        if not self.native:
+            return None
+        quants = {(float(u.attrs["x_scale"]), int(u.attrs["x_zero_point"])) for u, _ in v.uses if u.op == "QLinear" and u.name in self.members}
+        return quants.pop() if len(quants) == 1 else None
+
+    def made_codes(self, value: str, quant: tuple[float, int]) -> str:
+        """The name of ``value``'s uint8 codes, which the op being lowered writes (see :meth:`quantized_by`)."""
+        self.codes[value] = (quant[0], quant[1], f"{value}.codes")
+        return f"{value}.codes"
+
+    def residual_add(self, shadow: Node) -> tuple[Node, str] | None:
+        """In a graph with llmc's native ops, for a correction whose one result only an Add of this graph reads (a
+        block's last projection into the residual stream): (that Add, its other input, of the same shape and made
+        before the correction), which the native correction adds itself; else None."""
+        if not self.native or len(shadow.outputs) != 1:
+            return None
+        v = shadow.outputs[0]
+        if v.name in self.sub.outputs or len(v.uses) != 1:
+            return None
+        add, i = v.uses[0]
+        if add.op != "Add" or add.name not in self.members:
+            return None
+        other = add.inputs[1 - i]
+        made = other.producer
+        if other.shape != v.shape or (made is not None and made.name in self.members and self.order[made.name] > self.order[shadow.name]):
+            return None
+        return add, other.name
 
     def columns_of(self, v: Value) -> tuple[str, int] | None:
         """(value, first column) when ``v`` is a column slice of a value this graph lowers whole: an IR Slice,
@@ -344,7 +396,11 @@ class _Builder:
         src = self.whole_source(n)
         if src is not None or len(y) == 1:
             base, out = (src.name, whole_name(n)) if src is not None else (x[1], y[0])
-            if self.native:
+            residual = self.residual_add(n) if src is None else None
+            if residual is not None:  # the block's residual Add too: out is the Add's result
+                self.absorbed.add(residual[0].name)
+                self.native_op(n, x[0], [base, residual[1]], residual[0].outputs[0].name)
+            elif self.native:
                 self.native_op(n, x[0], [base], out)
             else:
                 self.shadow_correction(n, x[0])
@@ -367,9 +423,10 @@ class _Builder:
             self.add("Add", [ys, parts[i]], [out], f"{p}.add{i}")
 
     def native_op(self, n: Node, x: str, base: list[str], out: str) -> None:
-        """``out = base + (x - clip(x)) @ W^T`` (no base: the correction alone) as llmc's native op
-        ``ShadowCorrection`` (:mod:`llmc.runtime.native`): one op at any row count, visiting each row's
-        own outliers where the stock ops take a block's union of outlier channels."""
+        """``out = base + (x - clip(x)) @ W^T`` (no base: the correction alone; base and a residual: that added
+        too, see :meth:`residual_add`) as llmc's native op ``ShadowCorrection`` (:mod:`llmc.runtime.native`):
+        one op at any row count, visiting each row's own outliers where the stock ops take a block's union of
+        outlier channels."""
         a = n.attrs
         self.add("ShadowCorrection", [x, self.weight(n.weights["weight_t"]), *base], [out], f"{n.name}.native", domain=NATIVE_DOMAIN,
                  lo=float(a["lo"]), hi=float(a["hi"]))

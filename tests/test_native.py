@@ -132,6 +132,16 @@ def _ops(bundle) -> dict[str, set[str]]:
     return ops
 
 
+def _nodes(bundle, instance: str) -> list:
+    """The nodes of a bundle's graph instance (``name.r<rows>``)."""
+    import onnx
+
+    m = json.loads((bundle / "manifest.json").read_text())
+    name, rows = instance.rsplit(".r", 1)
+    entry = next(i for i in m["graphs"][name]["instances"].values() if i["rows"] == int(rows))
+    return list(onnx.load(str(bundle / entry["file"]), load_external_data=False).graph.node)
+
+
 def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
     """Same logits over a two-chunk prompt (the chunk instances) and decode (the one-row ones) as the stock
     bundle with its corrections' weight tables rounded to float16, as the native bundle stores them (this
@@ -155,6 +165,13 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
     assert "SwiGLU" in native_ops[decode] and not {"Sigmoid", "Slice"} & native_ops[decode]
     assert "Sigmoid" in stock_ops[decode] and "SwiGLU" not in stock_ops[decode]
     assert not any("ShadowCorrection" in ops for ops in stock_ops.values())
+    # the norms (llmc's RMSNorm) and SwiGLU write the codes their projections read, and the corrections of a
+    # block's last projections add the residual stream: of the stock bundle's Adds and QuantizeLinears in the
+    # decode graph, only the attention outputs' quantization is left
+    layers = sum(1 for n in _nodes(npu_pair["onnx"], decode) if n.op_type == "GroupQueryAttention")
+    counts = {op: sum(1 for n in _nodes(npu_pair["native"], decode) if n.op_type == op) for op in ("QuantizeLinear", "Add", "RMSNorm")}
+    assert layers and counts == {"QuantizeLinear": layers, "Add": 0, "RMSNorm": 2 * layers + 1}, counts
+    assert "RMSNormalization" in stock_ops[decode] and "RMSNormalization" not in native_ops[decode]
 
     # the native bundle's weight tables are float16: the stock bundle's, rounded so in a copy, is the reference
     tables = {n: w for n, w in m["weights"].items() if n.endswith(".weight_t")}
@@ -483,6 +500,97 @@ def test_swiglu_against_numpy(native_kernels):
     assert np.isnan(y[0, 0, 7]) and np.isnan(ref[0, 0, 7])
     y[0, 0, 7] = ref[0, 0, 7] = 0.0
     np.testing.assert_allclose(y, ref, rtol=2e-6, atol=1e-30)
+
+
+def _quantize_reference(y: np.ndarray, scale: float, zero_point: int) -> np.ndarray:
+    """ONNX Runtime's own QuantizeLinear (uint8) of y: the codes llmc's ops must write bit for bit."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    node = helper.make_node("QuantizeLinear", ["y", "s", "z"], ["q"])
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(y.shape))],
+                          [helper.make_tensor_value_info("q", TensorProto.UINT8, None)],
+                          [numpy_helper.from_array(np.array(scale, np.float32), "s"), numpy_helper.from_array(np.array(zero_point, np.uint8), "z")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"y": y})[0]
+
+
+@pytest.mark.parametrize("codes", [False, True])
+def test_rms_norm_against_numpy(native_kernels, codes):
+    """RMSNorm(x, weight; epsilon) = x / sqrt(mean(x^2) + epsilon) * weight over [3, 37, 100] (rows on ONNX Runtime's
+    pool, a width not in whole vectors), a NaN staying in its row; with scale and zero_point its second output is
+    exactly ONNX Runtime's QuantizeLinear of the first (saturating both ways, a NaN as 0)."""
+    from onnx import TensorProto, helper
+
+    n, scale, zp = 100, 0.011, 97
+    attrs = {"scale": scale, "zero_point": zp} if codes else {}
+    outs = ["y", "q"] if codes else ["y"]
+    node = helper.make_node("RMSNorm", ["x", "w"], outs, domain="ai.llmc", epsilon=0.25, **attrs)  # large enough to matter
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 37, n]),
+                                        helper.make_tensor_value_info("w", TensorProto.FLOAT, [n])],
+                          [helper.make_tensor_value_info(o, TensorProto.UINT8 if o == "q" else TensorProto.FLOAT, None) for o in outs])
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((3, 37, n)).astype(np.float32)
+    w = rng.uniform(0.5, 2.0, n).astype(np.float32)
+    x[1, 2, 5] = np.nan
+    got = sess.run(None, {"x": x, "w": w})
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 0.25) * w
+    assert np.isnan(got[0][1, 2]).all() and np.isfinite(np.delete(got[0].reshape(-1, n), 37 + 2, axis=0)).all()
+    np.testing.assert_allclose(got[0], ref, rtol=1e-5, atol=1e-6)
+    if codes:
+        y = got[0]
+        assert (y / scale > 255 - zp).any() and (y / scale < -zp).any()  # both ends saturate
+        np.testing.assert_array_equal(got[1], _quantize_reference(y, scale, zp))
+        assert (got[1][1, 2] == 0).all()
+
+
+def test_swiglu_codes_are_quantize_linear(native_kernels):
+    """SwiGLU with scale and zero_point: its second output is ONNX Runtime's QuantizeLinear of its first, bit for bit,
+    ties to even included."""
+    from onnx import TensorProto, helper
+
+    width, w, scale, zp = 70, 140, 0.02, 128
+    node = helper.make_node("SwiGLU", ["x"], ["y", "q"], domain="ai.llmc", gate=0, up=width, width=width, scale=scale, zero_point=zp)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [40, w])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None), helper.make_tensor_value_info("q", TensorProto.UINT8, None)])
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    x = (np.random.default_rng(10).standard_normal((40, w)) * 3).astype(np.float32)
+    x[0, width:] = 1.0  # up = 1: y = silu(gate); some gates then give y exactly at a half step
+    y, q = sess.run(None, {"x": x})
+    np.testing.assert_array_equal(q, _quantize_reference(y, scale, zp))
+    assert len(np.unique(q)) > 100
+
+
+def test_shadow_correction_adds_a_residual(native_kernels):
+    """ShadowCorrection's fourth input: y = residual + (base + correction), the float sums in the stock graph's
+    order; a residual without base is an error."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(11)
+    k, n, lo, hi = 48, 40, -1.0, 1.0
+    wt = rng.standard_normal((k, n)).astype(np.float32)
+    vi = helper.make_tensor_value_info
+    node = helper.make_node("ShadowCorrection", ["x", "wt", "base", "res"], ["y"], domain="ai.llmc", lo=lo, hi=hi)
+    g = helper.make_graph([node], "g", [vi("x", TensorProto.FLOAT, [33, k]), vi("base", TensorProto.FLOAT, [33, n]), vi("res", TensorProto.FLOAT, [33, n])],
+                          [vi("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(wt, "wt")])
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    x = _outliers(rng, (33, k), 0.05, lo, hi)
+    base, res = (rng.standard_normal((33, n)).astype(np.float32) for _ in range(2))
+    y = sess.run(None, {"x": x, "base": base, "res": res})[0]
+    corr = (x - np.clip(x, lo, hi)).astype(np.float64) @ wt
+    np.testing.assert_allclose(y, res + (base + corr), rtol=1e-5, atol=1e-4)
+    assert np.abs(corr).max() > 1.0
+
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    node = helper.make_node("ShadowCorrection", ["x", "wt", "", "res"], ["y"], domain="ai.llmc", lo=lo, hi=hi)
+    g = helper.make_graph([node], "g", [vi("x", TensorProto.FLOAT, [33, k]), vi("res", TensorProto.FLOAT, [33, n])],
+                          [vi("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(wt, "wt")])
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    with pytest.raises((InvalidArgument, Fail, RuntimeException), match="residual must come with base"):
+        sess.run(None, {"x": x, "res": res})
 
 
 def test_inspect_and_bench_name_the_native_kernels(npu_pair, native_kernels):

@@ -10,6 +10,9 @@ The library (``llmc_kernels.cc``, domain ``ai.llmc``) holds:
   (float32, or int8 codes with per-channel scales), with ``GroupQueryAttention``'s inputs: one row, and
   a chunk of rows (causal, in a sliding window where the model has one).
 - ``SwiGLU``: a gated MLP's ``silu(gate) * up`` from the gate/up projection's one result.
+- ``RMSNorm``: ONNX ``RMSNormalization``. It and SwiGLU may also write their result's uint8 codes for the W8A8
+  projection that reads it (as ``QuantizeLinear`` computes them); ``ShadowCorrection`` may add the residual
+  stream. These fusions spare the graphs an Add and a QuantizeLinear per norm.
 
 Bundles compiled with ``--cpu-kernels native`` use these ops, and their sessions load the library.
 

@@ -1,10 +1,11 @@
 // llmc's native CPU kernels: an ONNX Runtime custom-op library (domain "ai.llmc"): ShadowCorrection,
-// DecodeAttention (and DecodeAttentionInt8) and SwiGLU (below).
+// DecodeAttention (and DecodeAttentionInt8), SwiGLU and RMSNorm (below).
 //
-// ShadowCorrection(x[..., K], wt[K, N], base[..., N]?; lo, hi) -> y[..., N]
+// ShadowCorrection(x[..., K], wt[K, N], base[..., N]?, residual[..., N]?; lo, hi) -> y[..., N]
 //
-//   y = base + (x - clip(x, lo, hi)) @ wt
+//   y = residual + (base + (x - clip(x, lo, hi)) @ wt)
 //
+// (residual: the residual stream a block's last projection adds to, so that the add is not a pass of its own)
 // The float part of a W8A8 projection with shadow outliers: x's entries outside [lo, hi] are the
 // outliers, about 1% of a row, and each adds its excess times one row of the float weight table.
 // The graph-level form (llmc.backends.onnx_backend) gathers every channel that any row of a block
@@ -34,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -260,7 +262,8 @@ template <typename W>
 struct Job {
   const Outliers* outliers;
   const W* wt;
-  const float* base;  // may be null
+  const float* base;      // may be null
+  const float* residual;  // may be null
   float* y;
   int64_t rows, n, tiles, width, row_blocks;  // width: columns per tile, a multiple of kNative (the last tile may be narrower)
 };
@@ -279,7 +282,12 @@ void tile_rows(const Job<W>& job, int64_t r0, int64_t r1, int64_t n0) {
       for (int v = 0; v < NV; ++v) acc[v] += d * nload16(wr + v * kNative);
     }
     float* yr = job.y + r * job.n + n0;
-    if (job.base != nullptr) {
+    if (job.residual != nullptr) {
+      const float* br = job.base + r * job.n + n0;
+      const float* rr = job.residual + r * job.n + n0;
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) nstore(yr + v * kNative, nload(rr + v * kNative) + (nload(br + v * kNative) + acc[v]));
+    } else if (job.base != nullptr) {
       const float* br = job.base + r * job.n + n0;
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) nstore(yr + v * kNative, nload(br + v * kNative) + acc[v]);
@@ -303,7 +311,9 @@ void tail_rows(const Job<W>& job, int64_t r0, int64_t r1, int64_t n0, int64_t n1
     for (int64_t j = n0; j < n1; ++j) {
       float acc = 0.0f;
       for (int64_t i = o.start[r]; i < o.start[r + 1]; ++i) acc += o.excess[i] * load1(job.wt + static_cast<int64_t>(o.channel[i]) * job.n + j);
-      job.y[r * job.n + j] = job.base != nullptr ? job.base[r * job.n + j] + acc : acc;
+      const int64_t at = r * job.n + j;
+      const float y = job.base != nullptr ? job.base[at] + acc : acc;  // the correction added to base, then to the residual
+      job.y[at] = job.residual != nullptr ? job.residual[at] + y : y;
     }
 }
 
@@ -321,14 +331,15 @@ void run_task(void* data, size_t t) {
 }
 
 template <typename W>
-void correct(Ort::KernelContext& ctx, const Outliers& outliers, const W* wt, const float* base, float* y, int64_t rows, int64_t n) {
+void correct(Ort::KernelContext& ctx, const Outliers& outliers, const W* wt, const float* base, const float* residual, float* y, int64_t rows,
+             int64_t n) {
   // columns in as few tiles of at most kTile as there can be, of even widths (whole vectors but the last's end)
   const int64_t tiles = (n + kTile - 1) / kTile;
   const int64_t width = ((n + tiles - 1) / tiles + kNative - 1) / kNative * kNative;
   // as few row blocks as make kTasks tasks (a block's rows share its weight-row slices in cache), of
   // kBlockRows rows at least
   const int64_t row_blocks = std::max<int64_t>(1, std::min<int64_t>(rows / kBlockRows, (kTasks + tiles - 1) / tiles));
-  Job<W> job{&outliers, wt, base, y, rows, n, (n + width - 1) / width, width, row_blocks};
+  Job<W> job{&outliers, wt, base, residual, y, rows, n, (n + width - 1) / width, width, row_blocks};
   const size_t tasks = static_cast<size_t>(job.tiles * row_blocks);
   if (tasks > 1 && outliers.channel.size() * static_cast<size_t>(n) >= kParallelWork)
     ctx.ParallelFor(run_task<W>, tasks, 0, &job);
@@ -350,6 +361,7 @@ struct ShadowKernel {
     Ort::ConstValue x = ctx.GetInput(0);
     Ort::ConstValue wt = ctx.GetInput(1);
     const OrtValue* base_value = ctx.GetInputCount() > 2 ? static_cast<const OrtValue*>(ctx.GetInput(2)) : nullptr;
+    const OrtValue* residual_value = ctx.GetInputCount() > 3 ? static_cast<const OrtValue*>(ctx.GetInput(3)) : nullptr;
     std::vector<int64_t> xs = x.GetTensorTypeAndShapeInfo().GetShape();
     std::vector<int64_t> ws = wt.GetTensorTypeAndShapeInfo().GetShape();
     const ONNXTensorElementDataType wtype = wt.GetTensorTypeAndShapeInfo().GetElementType();
@@ -369,14 +381,21 @@ struct ShadowKernel {
         throw Ort::Exception("ShadowCorrection: base must be [..., N], x's rows by wt's columns", ORT_INVALID_ARGUMENT);
       base = b.GetTensorData<float>();
     }
+    const float* residual = nullptr;
+    if (residual_value != nullptr) {
+      Ort::ConstValue b{residual_value};
+      if (base == nullptr || b.GetTensorTypeAndShapeInfo().GetShape() != ys)
+        throw Ort::Exception("ShadowCorrection: residual must come with base, both [..., N]", ORT_INVALID_ARGUMENT);
+      residual = b.GetTensorData<float>();
+    }
     Ort::UnownedValue y = ctx.GetOutput(0, ys.data(), ys.size());
     Outliers outliers;
     find_outliers(x.GetTensorData<float>(), rows, k, lo, hi, outliers);
     float* out = y.GetTensorMutableData<float>();
     if (wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-      correct(ctx, outliers, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), base, out, rows, n);
+      correct(ctx, outliers, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), base, residual, out, rows, n);
     else
-      correct(ctx, outliers, wt.GetTensorData<float>(), base, out, rows, n);
+      correct(ctx, outliers, wt.GetTensorData<float>(), base, residual, out, rows, n);
   }
 };
 
@@ -384,12 +403,12 @@ struct ShadowCorrectionOp : Ort::CustomOpBase<ShadowCorrectionOp, ShadowKernel> 
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new ShadowKernel(api, info); }
   const char* GetName() const { return "ShadowCorrection"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 3; }
+  size_t GetInputTypeCount() const { return 4; }
   ONNXTensorElementDataType GetInputType(size_t i) const {  // wt: float32 or float16 (checked when it runs)
     return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
-    return i == 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return i >= 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
@@ -966,15 +985,71 @@ struct DecodeAttentionOp : Ort::CustomOpBase<DecodeAttentionOp<T>, AttentionKern
 };
 
 // ---------------------------------------------------------------------------------------------------
-// SwiGLU(x[..., W]; gate, up, width) -> y[..., width] = silu(x[..., gate : gate + width]) * x[..., up : up + width]
+// Quantized copies: SwiGLU and RMSNorm (below) may also write their result as the uint8 codes of the W8A8
+// projection that reads it (attributes scale and zero_point, a second output), as ONNX QuantizeLinear
+// computes them: clamp(round_half_even(y / scale) + zero_point, 0, 255), a NaN as 0. ONNX Runtime's
+// QuantizeLinear is then not a pass of its own.
+
+struct Quantizer {
+  float scale = 0.0f;
+  int32_t zero_point = 0;
+  bool on = false;  // whether the op has the codes output
+};
+
+Quantizer quantizer_of(const Ort::ConstKernelInfo& ki, const char* op) {
+  Quantizer q;
+  q.on = ki.GetOutputCount() > 1;
+  if (!q.on) return q;
+  q.scale = ki.GetAttribute<float>("scale");
+  q.zero_point = static_cast<int32_t>(ki.GetAttribute<int64_t>("zero_point"));
+  if (!(q.scale > 0.0f) || q.zero_point < 0 || q.zero_point > 255)
+    throw Ort::Exception(std::string(op) + ": codes need a positive scale and a zero_point in 0..255", ORT_INVALID_ARGUMENT);
+  return q;
+}
+
+void quantize_row(const float* y, int64_t n, const Quantizer& q, uint8_t* out) {
+  const float lo = static_cast<float>(-q.zero_point), hi = static_cast<float>(255 - q.zero_point);
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(q.scale), l = _mm512_set1_ps(lo), h = _mm512_set1_ps(hi);
+  const __m512i z = _mm512_set1_epi32(q.zero_point);
+  for (; j + 16 <= n; j += 16) {  // max/min return their second operand for a NaN: lo, then 0
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(y + j), s), l), h);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), z)));
+  }
+#elif defined(__AVX2__)
+  const __m256 s = _mm256_set1_ps(q.scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+  const __m256i z = _mm256_set1_epi32(q.zero_point);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(y + j), s), l), h);
+    const __m256i c = _mm256_add_epi32(_mm256_cvtps_epi32(v), z);
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm_packus_epi16(w, w));
+  }
+#endif
+  for (; j < n; ++j) {
+    float v = y[j] / q.scale;
+    v = v > lo ? v : lo;
+    v = v < hi ? v : hi;
+    out[j] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(v)) + q.zero_point);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// SwiGLU(x[..., W]; gate, up, width, scale?, zero_point?) -> y[..., width], codes[..., width]?
+//
+//   y = silu(x[..., gate : gate + width]) * x[..., up : up + width]
 //
 // The gated MLP's activation straight from its fused gate/up projection (fuse_sibling_linears): one pass
 // where the stock ops slice the gate and the up halves out, then apply sigmoid, and multiply twice.
 // silu(g) = g / (1 + e^-g), with -g clamped to [-87, 87] (past it silu is g, or -0, to float precision).
+// codes: y quantized for the down projection (see Quantizer).
 
 struct SwigluJob {
   const float* x;
   float* y;
+  uint8_t* codes;  // may be null
+  Quantizer quant;
   int64_t rows, w, gate, up, width, per;
 };
 
@@ -993,11 +1068,26 @@ void swiglu_rows(void* data, size_t t) {
       nstore(y + j, gv / (1.0f + vexp(neg)) * nload(u + j));
     }
     for (; j < job.width; ++j) y[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+    if (job.codes != nullptr) quantize_row(y, job.width, job.quant, job.codes + r * job.width);
   }
+}
+
+// Rows of a [..., n] input in blocks of per rows (set here) over ONNX Runtime's threads (at most kTasks blocks),
+// or on this thread when small.
+void for_rows(Ort::KernelContext& ctx, void (*fn)(void*, size_t), void* job, int64_t rows, int64_t n, int64_t& per) {
+  if (rows == 0) return;  // (a chunk's rows that need logits may be none)
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(rows, kTasks));
+  per = (rows + tasks - 1) / tasks;
+  const size_t count = static_cast<size_t>((rows + per - 1) / per);
+  if (count > 1 && rows * n >= kAttentionParallel)
+    ctx.ParallelFor(fn, count, 0, job);
+  else
+    for (size_t t = 0; t < count; ++t) fn(job, t);
 }
 
 struct SwigluKernel {
   int64_t gate, up, width;
+  Quantizer quant;
 
   SwigluKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -1006,6 +1096,7 @@ struct SwigluKernel {
     width = ki.GetAttribute<int64_t>("width");
     if (gate < 0 || up < 0 || width <= 0)
       throw Ort::Exception("SwiGLU: gate and up must be columns of x and width positive", ORT_INVALID_ARGUMENT);
+    quant = quantizer_of(ki, "SwiGLU");
   }
 
   void Compute(OrtKernelContext* context) {
@@ -1019,13 +1110,9 @@ struct SwigluKernel {
     for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
     shape.back() = width;
     Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
-    const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(rows, kTasks));
-    SwigluJob job{x.GetTensorData<float>(), y.GetTensorMutableData<float>(), rows, w, gate, up, width, (rows + tasks - 1) / tasks};
-    const size_t n = static_cast<size_t>((rows + job.per - 1) / job.per);
-    if (n > 1 && rows * width >= kAttentionParallel)
-      ctx.ParallelFor(swiglu_rows, n, 0, &job);
-    else
-      for (size_t t = 0; t < n; ++t) swiglu_rows(&job, t);
+    uint8_t* codes = quant.on ? ctx.GetOutput(1, shape.data(), shape.size()).GetTensorMutableData<uint8_t>() : nullptr;
+    SwigluJob job{x.GetTensorData<float>(), y.GetTensorMutableData<float>(), codes, quant, rows, w, gate, up, width, 1};
+    for_rows(ctx, swiglu_rows, &job, rows, width, job.per);
   }
 };
 
@@ -1035,8 +1122,89 @@ struct SwigluOp : Ort::CustomOpBase<SwigluOp, SwigluKernel> {
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------
+// RMSNorm(x[..., n], weight[n]; epsilon, scale?, zero_point?) -> y[..., n], codes[..., n]?
+//
+//   y = x / sqrt(mean(x^2) + epsilon) * weight
+//
+// ONNX RMSNormalization over the last axis, with the codes of the W8A8 projection that reads y (see Quantizer).
+
+struct NormJob {
+  const float* x;
+  const float* weight;
+  float* y;
+  uint8_t* codes;  // may be null
+  Quantizer quant;
+  int64_t rows, n, per;
+  float epsilon;
+};
+
+void norm_rows(void* data, size_t t) {
+  const NormJob& job = *static_cast<const NormJob*>(data);
+  const int64_t r0 = static_cast<int64_t>(t) * job.per, r1 = std::min(job.rows, r0 + job.per), n = job.n;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* x = job.x + r * n;
+    float* y = job.y + r * n;
+    NVec acc = {};
+    int64_t j = 0;
+    for (; j + kNative <= n; j += kNative) acc += nload(x + j) * nload(x + j);
+    float squares = hsum(acc);
+    for (; j < n; ++j) squares += x[j] * x[j];
+    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + job.epsilon);
+    for (j = 0; j + kNative <= n; j += kNative) nstore(y + j, nload(x + j) * inv * nload(job.weight + j));
+    for (; j < n; ++j) y[j] = x[j] * inv * job.weight[j];
+    if (job.codes != nullptr) quantize_row(y, n, job.quant, job.codes + r * n);
+  }
+}
+
+struct NormKernel {
+  float epsilon;
+  Quantizer quant;
+
+  NormKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    epsilon = ki.GetAttribute<float>("epsilon");
+    quant = quantizer_of(ki, "RMSNorm");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    Ort::ConstValue x = ctx.GetInput(0), weight = ctx.GetInput(1);
+    const std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.empty() || weight.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(shape.back()))
+      throw Ort::Exception("RMSNorm: x must be [..., n] and weight [n]", ORT_INVALID_ARGUMENT);
+    const int64_t n = shape.back();
+    int64_t rows = 1;
+    for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+    Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
+    uint8_t* codes = quant.on ? ctx.GetOutput(1, shape.data(), shape.size()).GetTensorMutableData<uint8_t>() : nullptr;
+    NormJob job{x.GetTensorData<float>(), weight.GetTensorData<float>(), y.GetTensorMutableData<float>(), codes, quant, rows, n, 1, epsilon};
+    for_rows(ctx, norm_rows, &job, rows, n, job.per);
+  }
+};
+
+struct NormOp : Ort::CustomOpBase<NormOp, NormKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new NormKernel(api, info); }
+  const char* GetName() const { return "RMSNorm"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
 };
 
 std::mutex domains_mutex;
@@ -1050,12 +1218,14 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
   static const DecodeAttentionOp<float> decode_attention;
   static const DecodeAttentionOp<int8_t> decode_attention_int8;
   static const SwigluOp swiglu;
+  static const NormOp rms_norm;
   try {
     Ort::CustomOpDomain domain{"ai.llmc"};
     domain.Add(&shadow_correction);
     domain.Add(&decode_attention);
     domain.Add(&decode_attention_int8);
     domain.Add(&swiglu);
+    domain.Add(&rms_norm);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(domains_mutex);
     domains.push_back(std::move(domain));
