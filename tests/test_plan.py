@@ -47,6 +47,20 @@ def test_plan_errors_name_the_problem(tmp_path):
     assert r.returncode != 0 and "unknown device profile" in r.stderr
 
 
+def test_profile_host_int8_probe_on_the_exact_kernels(monkeypatch):
+    """The one-row int8 probe (many QLinears in one graph) loads where ONNX Runtime rewrites int8 weights to uint8
+    (a CPU without VNNI; forced here): each copy has its own zero points, which the rewrite replaces one by one."""
+    from llmc.host_profile import qlinear_seconds
+    from llmc.runtime import cpu
+
+    monkeypatch.setenv(cpu.ENV, "u8u8")
+    cpu.u8s8_is_exact.cache_clear()
+    try:
+        assert qlinear_seconds(1, 64, 32, 1, copies=3) > 0
+    finally:
+        cpu.u8s8_is_exact.cache_clear()
+
+
 def test_profile_host_measures_and_compiles_use_it(tmp_path, model_dirs):
     import os
 
