@@ -94,9 +94,10 @@ def cli(verbose: int) -> None:
               help="[npu] Smooth activation outliers into the weights (SmoothQuant, power-of-two factors; adds "
                    "smooth_activations and a second calibrate) with this strength. Default: 0.8 with --no-shadow, else off.")
 @click.option("--cpu-kernels", type=click.Choice(["onnx", "native"]), default="onnx", show_default=True,
-              help="How the CPU's graphs compute the shadow outlier corrections (npu) and the decode graph's attention: "
-                   "ONNX Runtime's stock ops, or llmc's native ops (faster; the decode graph then also prefills in chunks over an "
-                   "int8 KV cache or in a sliding window; the bundle needs `llmc kernels build` run where it runs).")
+              help="How the CPU's graphs compute the shadow outlier corrections (npu), the decode graph's attention, a gated MLP's "
+                   "activation and the norms before W8A8 projections: ONNX Runtime's stock ops, or llmc's native ops (faster: fused "
+                   "quantization and residual adds; the decode graph then also prefills in chunks over an int8 KV cache or in a "
+                   "sliding window; the bundle needs `llmc kernels build` run where it runs).")
 @click.option("--weight-granularity", type=click.Choice(["channel", "tensor"]), default="channel", show_default=True, help="[npu] int8 weight scales per output channel or per tensor.")
 @click.option("--profile", "profile", default=None,
               help="Device profile the cost model plans for (see `llmc profiles`; a name or a .json path). Default: the --soc, "
