@@ -59,6 +59,13 @@ constexpr int64_t kTasks = 8;  // tasks to aim for, column tiles times row block
 constexpr size_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
 constexpr int64_t kAttentionParallel = 1 << 15;  // attended positions x head size x heads below which one thread does it all
 
+// The rows of a [..., n] tensor: the product of its leading dimensions.
+inline int64_t leading_rows(const std::vector<int64_t>& shape) {
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+  return rows;
+}
+
 struct Outliers {  // by row: row r's outlier channels and excesses are [start[r], start[r + 1])
   std::vector<int64_t> start;  // [rows + 1]
   std::vector<int32_t> channel;
@@ -143,24 +150,9 @@ inline float half_to_float(uint16_t h) {
   return magnitude;
 }
 
-// A vector of 16 floats (GCC's vector extension: AVX-512, two AVX registers, or four SSE ones).
-typedef float Vec __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
-
-inline Vec load(const float* p) {
-  Vec v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, Vec v) { __builtin_memcpy(p, &v, sizeof v); }
-
-// x in every lane: one broadcast (Vec{} + x is an addition, 0 + -0 being +0).
-inline Vec splat(float x) { return Vec{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
-
-// The CPU's own vector of floats (kNative lanes: AVX-512 16, AVX 8, else 4), for the loops that keep sums in
-// registers: GCC keeps a Vec wider than the CPU's registers in memory when it sits in an array, moving it in
-// 8-byte pieces (an AVX2 build's attention ran at 2 useful GFMA/s).
+// The CPU's own vector of floats (kNative lanes: AVX-512 16, AVX 8, else 4), GCC's vector extension. The kernels'
+// vectors are this wide: GCC keeps a vector wider than the CPU's registers in memory when it sits in an array
+// (accumulators), moving it in 8-byte pieces (an AVX2 build's attention with 16-float vectors ran at 2 useful GFMA/s).
 #if defined(__AVX512F__)
 constexpr int64_t kNative = 16;
 #elif defined(__AVX__)
@@ -169,6 +161,7 @@ constexpr int64_t kNative = 8;
 constexpr int64_t kNative = 4;
 #endif
 typedef float NVec __attribute__((vector_size(kNative * sizeof(float))));
+typedef int32_t NIVec __attribute__((vector_size(kNative * sizeof(int32_t))));
 
 inline NVec nload(const float* p) {
   NVec v;
@@ -178,6 +171,7 @@ inline NVec nload(const float* p) {
 
 inline void nstore(float* p, NVec v) { __builtin_memcpy(p, &v, sizeof v); }
 
+// x in every lane: one broadcast (NVec{} + x would be an addition, 0 + -0 being +0).
 inline NVec nsplat(float x) {
 #if defined(__AVX512F__)
   return (NVec)_mm512_set1_ps(x);
@@ -188,7 +182,9 @@ inline NVec nsplat(float x) {
 #endif
 }
 
-// kNative entries from p on as floats (float32; float16 bits widened as load16 does).
+// kNative entries from p on as floats: float32 as they are, float16 (their bits: the corrections' weight tables)
+// and int8 codes (a quantized cache's rows; their per-channel scales are folded into q for K and applied to the
+// output for V) widened with the CPU's instructions where there are some (GCC's generic widening is scalar code).
 inline NVec nload16(const float* p) { return nload(p); }
 
 inline NVec nload16(const uint16_t* p) {
@@ -203,49 +199,9 @@ inline NVec nload16(const uint16_t* p) {
 #endif
 }
 
-// Two AVX halves as one Vec.
-inline Vec join(__m256 lo, __m256 hi) {
-  Vec v;
-  __builtin_memcpy(&v, &lo, sizeof lo);
-  __builtin_memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-  return v;
-}
-
-// 16 entries from p on as floats: float32 as they are, float16 (their bits: the corrections' weight tables)
-// and int8 codes (a quantized cache's rows; their per-channel scales are folded into q for K and applied to
-// the output for V) widened with the CPU's instructions where there are some (GCC's generic widening is
-// scalar code).
-inline Vec load16(const float* p) { return load(p); }
-
-inline Vec load16(const uint16_t* p) {
-#if defined(__AVX512F__)
-  return (Vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  return join(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
-#else
-  Vec v;
-  for (int64_t l = 0; l < kLanes; ++l) v[l] = half_to_float(p[l]);
-  return v;
-#endif
-}
-
-inline Vec load16(const int8_t* p) {
-#if defined(__AVX512F__)
-  return (Vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8))));
-#else
-  Vec v;
-  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
-  return v;
-#endif
-}
-
 inline NVec nload16(const int8_t* p) {
 #if defined(__AVX512F__)
-  return load16(p);
+  return (NVec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #elif defined(__AVX2__)
   return (NVec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #else
@@ -370,8 +326,7 @@ struct ShadowKernel {
     if (xs.empty() || ws.size() != 2 || ws[0] != xs.back())
       throw Ort::Exception("ShadowCorrection: x must be [..., K] and wt [K, N] with the same K", ORT_INVALID_ARGUMENT);
     const int64_t k = ws[0], n = ws[1];
-    int64_t rows = 1;
-    for (size_t i = 0; i + 1 < xs.size(); ++i) rows *= xs[i];
+    const int64_t rows = leading_rows(xs);
     std::vector<int64_t> ys(xs.begin(), xs.end() - 1);
     ys.push_back(n);
     const float* base = nullptr;
@@ -437,29 +392,23 @@ int64_t attribute_or(const Ort::ConstKernelInfo& ki, const char* name, int64_t f
   }
 }
 
-// e^x for x <= 87 (scores minus their maximum, minus a gate), a vector (Vec or NVec) at a time: x = n ln2 + r
-// with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error about 1e-7), 2^n into the exponent
-// bits; below -87, e^-87.
-typedef int32_t IVec __attribute__((vector_size(64)));
-typedef int32_t NIVec __attribute__((vector_size(kNative * sizeof(int32_t))));
-
-template <typename V>
-inline V vexp(V x) {
-  using I = decltype(x < x);  // the integer vector of V's lanes
-  const V floor_x = V{} - 87.0f;
+// e^x for x <= 87 (scores minus their maximum, minus a gate), a vector at a time: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error about 1e-7), 2^n into the exponent bits;
+// below -87, e^-87.
+inline NVec vexp(NVec x) {
+  const NVec floor_x = nsplat(-87.0f);
   x = x < floor_x ? floor_x : x;
-  const V round = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const V n = (x * 1.44269504f + round) - round;
-  const V r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln 2 in two parts
-  V e = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
-  const I bits = (I)e + (__builtin_convertvector(n, I) << 23);
-  return (V)bits;
+  const NVec round = nsplat(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const NVec n = (x * 1.44269504f + round) - round;
+  const NVec r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  // ln 2 in two parts
+  NVec e = 1.0f + r * (1.0f + r * (0.5f + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720))))));
+  const NIVec bits = (NIVec)e + (__builtin_convertvector(n, NIVec) << 23);
+  return (NVec)bits;
 }
 
-template <typename V>
-inline float hsum(V v) {
+inline float hsum(NVec v) {
   float t = 0.0f;
-  for (size_t l = 0; l < sizeof(V) / sizeof(float); ++l) t += v[l];
+  for (int64_t l = 0; l < kNative; ++l) t += v[l];
   return t;
 }
 
@@ -467,13 +416,13 @@ inline float hsum(V v) {
 // levels that each add the halves of pairs, 15 shuffle-adds in place of 16 horizontal sums; AVX: three levels
 // of horizontal adds, then the two halves' sums added.
 #if defined(__AVX512F__)
-inline Vec fold(Vec x, Vec y, IVec lo, IVec hi) { return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi); }
+inline NVec fold(NVec x, NVec y, NIVec lo, NIVec hi) { return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi); }
 
 inline NVec lane_sums(NVec* a) {
-  const IVec lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const IVec lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const IVec lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const IVec lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const NIVec lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const NIVec lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const NIVec lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const NIVec lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
   for (int i = 0; i < 8; ++i) a[i] = fold(a[2 * i], a[2 * i + 1], lo8, lo8 + 8);
   for (int i = 0; i < 4; ++i) a[i] = fold(a[2 * i], a[2 * i + 1], lo4, lo4 + 4);
   for (int i = 0; i < 2; ++i) a[i] = fold(a[2 * i], a[2 * i + 1], lo2, lo2 + 2);
@@ -646,7 +595,8 @@ __attribute__((optimize("fp-contract=off"))) void rotate(float* x, int64_t heads
 // local_window_size of them); blocks past a row's position give it nothing.
 constexpr int64_t kQueryBlock = 16;   // a chunk task's positions
 constexpr int64_t kKeyBlock = 64;     // cache positions per step of a chunk task
-constexpr int64_t kMaxHeadSize = 256;  // a chunk's head size at most (and a multiple of kLanes)
+constexpr int64_t kMaxHeadSize = 256;  // a chunk's head size at most
+constexpr int64_t kHeadStep = 16;       // a chunk's head size is a multiple of this: whole native vectors on any CPU
 constexpr int kRowGroup = 6;  // query rows whose scores and outputs are computed together
 // native vectors of keys whose scores, and of output columns whose sums, a pass keeps in registers for the
 // kRowGroup rows: with AVX-512 4 (24 of its 32 registers), else 2 (AVX: 12 of its 16)
@@ -745,7 +695,7 @@ void attend_chunk(void* data, size_t t) {
   const int64_t g = static_cast<int64_t>(t) / job.qblocks, i0 = (static_cast<int64_t>(t) % job.qblocks) * kQueryBlock;
   const int64_t i1 = std::min(job.rows, i0 + kQueryBlock), d = job.d, hd = job.heads * d;
   const int64_t n = (i1 - i0) * job.group;  // the task's query rows: row r is position i0 + r / group, head g * group + r % group
-  std::vector<float> kt(static_cast<size_t>(d * kKeyBlock)), vf(std::is_same_v<T, float> ? 0 : static_cast<size_t>(kKeyBlock * d));
+  std::vector<float> kt(static_cast<size_t>(d * kKeyBlock)), vf;
   std::vector<float> acc(static_cast<size_t>((n + kRowGroup - 1) / kRowGroup * kRowGroup * d), 0.0f), m(static_cast<size_t>(n), -INFINITY), l(static_cast<size_t>(n), 0.0f);
   std::vector<char> nan(static_cast<size_t>(n), 0);
   alignas(64) float pb[kRowGroup][kKeyBlock];
@@ -757,14 +707,7 @@ void attend_chunk(void* data, size_t t) {
     const int64_t kn = std::min(kKeyBlock, last + 1 - k0);
     for (int64_t x = 0; x < kKeyBlock; ++x)  // the keys transposed, zero past the block's end
       for (int64_t j = 0; j < d; ++j) kt[j * kKeyBlock + x] = x < kn ? static_cast<float>(kg[(k0 + x) * d + j]) : 0.0f;
-    const float* vb;
-    if constexpr (std::is_same_v<T, float>) {
-      vb = vg + k0 * d;
-    } else {
-      for (int64_t x = 0; x < kn; ++x)
-        for (int64_t j = 0; j < d; j += kLanes) store(vf.data() + x * d + j, load16(vg + (k0 + x) * d + j));
-      vb = vf.data();
-    }
+    const float* vb = rows_as_float(vg + k0 * d, kn * d, vf);
     for (int64_t r0 = 0; r0 < n; r0 += kRowGroup) {
       const float* qs[kRowGroup];
       float* as[kRowGroup];
@@ -866,7 +809,7 @@ struct AttentionKernel {
     if (p0 < 0 || p >= c)
       throw Ort::Exception("DecodeAttention: the rows' positions (seqlens_k - rows + 1 to seqlens_k) are outside the cache's capacity",
                            ORT_INVALID_ARGUMENT);
-    if (rows > 1 && (d % kLanes != 0 || d > kMaxHeadSize))
+    if (rows > 1 && (d % kHeadStep != 0 || d > kMaxHeadSize))
       throw Ort::Exception("DecodeAttention: more than one row needs a head_size that is a multiple of 16, at most 256", ORT_INVALID_ARGUMENT);
     if (!packed && (!present(2) || ctx.GetInput(1).GetTensorTypeAndShapeInfo().GetElementCount() != rows * kvd ||
                     ctx.GetInput(2).GetTensorTypeAndShapeInfo().GetElementCount() != rows * kvd))
@@ -994,6 +937,26 @@ struct Quantizer {
   float scale = 0.0f;
   int32_t zero_point = 0;
   bool on = false;  // whether the op has the codes output
+
+  // The codes output (output 1) of this shape, or null when the op has none.
+  uint8_t* output(Ort::KernelContext& ctx, const std::vector<int64_t>& shape) const {
+    return on ? ctx.GetOutput(1, shape.data(), shape.size()).GetTensorMutableData<uint8_t>() : nullptr;
+  }
+};
+
+// An op of float inputs whose first output is float and whose optional second is its codes (Quantizer).
+template <typename Op, typename Kernel>
+struct CodesOp : Ort::CustomOpBase<Op, Kernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Kernel(api, info); }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
 };
 
 Quantizer quantizer_of(const Ort::ConstKernelInfo& ki, const char* op) {
@@ -1106,29 +1069,17 @@ struct SwigluKernel {
     if (shape.empty() || std::max(gate, up) + width > shape.back())
       throw Ort::Exception("SwiGLU: x must be [..., W] with the gate and up columns inside W", ORT_INVALID_ARGUMENT);
     const int64_t w = shape.back();
-    int64_t rows = 1;
-    for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+    const int64_t rows = leading_rows(shape);
     shape.back() = width;
     Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
-    uint8_t* codes = quant.on ? ctx.GetOutput(1, shape.data(), shape.size()).GetTensorMutableData<uint8_t>() : nullptr;
-    SwigluJob job{x.GetTensorData<float>(), y.GetTensorMutableData<float>(), codes, quant, rows, w, gate, up, width, 1};
+    SwigluJob job{x.GetTensorData<float>(), y.GetTensorMutableData<float>(), quant.output(ctx, shape), quant, rows, w, gate, up, width, 1};
     for_rows(ctx, swiglu_rows, &job, rows, width, job.per);
   }
 };
 
-struct SwigluOp : Ort::CustomOpBase<SwigluOp, SwigluKernel> {
-  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new SwigluKernel(api, info); }
+struct SwigluOp : CodesOp<SwigluOp, SwigluKernel> {
   const char* GetName() const { return "SwiGLU"; }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-  size_t GetOutputTypeCount() const { return 2; }
-  ONNXTensorElementDataType GetOutputType(size_t i) const {
-    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  }
-  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
-    return i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
-  }
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -1183,28 +1134,16 @@ struct NormKernel {
     if (shape.empty() || weight.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(shape.back()))
       throw Ort::Exception("RMSNorm: x must be [..., n] and weight [n]", ORT_INVALID_ARGUMENT);
     const int64_t n = shape.back();
-    int64_t rows = 1;
-    for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+    const int64_t rows = leading_rows(shape);
     Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
-    uint8_t* codes = quant.on ? ctx.GetOutput(1, shape.data(), shape.size()).GetTensorMutableData<uint8_t>() : nullptr;
-    NormJob job{x.GetTensorData<float>(), weight.GetTensorData<float>(), y.GetTensorMutableData<float>(), codes, quant, rows, n, 1, epsilon};
+    NormJob job{x.GetTensorData<float>(), weight.GetTensorData<float>(), y.GetTensorMutableData<float>(), quant.output(ctx, shape), quant, rows, n, 1, epsilon};
     for_rows(ctx, norm_rows, &job, rows, n, job.per);
   }
 };
 
-struct NormOp : Ort::CustomOpBase<NormOp, NormKernel> {
-  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new NormKernel(api, info); }
+struct NormOp : CodesOp<NormOp, NormKernel> {
   const char* GetName() const { return "RMSNorm"; }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 2; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-  size_t GetOutputTypeCount() const { return 2; }
-  ONNXTensorElementDataType GetOutputType(size_t i) const {
-    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  }
-  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
-    return i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
-  }
 };
 
 std::mutex domains_mutex;
