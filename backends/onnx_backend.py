@@ -128,8 +128,6 @@ class _Builder:
         self.values = {}
         self.members = set(sub.nodes)
         self.order = {name: i for i, name in enumerate(sub.nodes)}
-        self.codes: dict[str, tuple[float, int, str]] = {}  # value -> (scale, zero point, its uint8 codes) a native op wrote
-        self.absorbed: set[str] = set()  # residual Adds a native correction does (see residual_add)
         for n in (graph.node(x) for x in sub.nodes):
             for v in list(n.inputs) + list(n.outputs):
                 self.values[v.name] = v
@@ -176,10 +174,8 @@ class _Builder:
         elif n.op == "QLinear":
             sc = self.const(f"{n.name}.x_scale", np.array(a["x_scale"], np.float32))
             zp = self.const(f"{n.name}.x_zero_point", np.array(a["x_zero_point"], np.uint8))
-            made = self.codes.get(x[0])
-            if made is not None and made[:2] == (float(a["x_scale"]), int(a["x_zero_point"])):
-                xq = made[2]  # the native op that made x wrote its codes too (see quantized_by)
-            else:
+            xq = self.codes_of(n.inputs[0])  # the native op that made x wrote its codes too
+            if xq is None:
                 xq = f"{n.name}.xq"
                 self.add("QuantizeLinear", x + [sc, zp], [xq], f"{n.name}.quant")
             self.add("DequantizeLinear", [xq, sc, zp], [f"{n.name}.xdq"], f"{n.name}.dequant")
@@ -223,7 +219,7 @@ class _Builder:
                 self.add("Add", [w, off], [f"{n.name}.scale"], f"{n.name}.scale")
                 w = f"{n.name}.scale"
             if (quant := self.quantized_by(n.outputs[0])) is not None:
-                self.add("RMSNorm", x + [w], y + [self.made_codes(y[0], quant)], f"{n.name}.native", domain=NATIVE_DOMAIN,
+                self.add("RMSNorm", x + [w], y + [self.codes_of(n.outputs[0])], f"{n.name}.native", domain=NATIVE_DOMAIN,
                          epsilon=float(a["eps"]), scale=quant[0], zero_point=quant[1])
             else:
                 self.add("RMSNormalization", x + [w], y, n.name, axis=-1, epsilon=float(a["eps"]))
@@ -238,7 +234,7 @@ class _Builder:
             _, whole, gate, up, width = fused
             quant = self.quantized_by(n.outputs[0])
             codes = {} if quant is None else {"scale": quant[0], "zero_point": quant[1]}
-            outs = y if quant is None else y + [self.made_codes(y[0], quant)]
+            outs = y if quant is None else y + [self.codes_of(n.outputs[0])]
             self.add("SwiGLU", [whole], outs, f"{n.name}.swiglu", domain=NATIVE_DOMAIN, gate=gate, up=up, width=width, **codes)
         elif n.op == "Act":
             if a["kind"] == "silu":
@@ -246,7 +242,7 @@ class _Builder:
                 self.add("Mul", [x[0], f"{n.name}.sigmoid"], y, n.name)
             else:
                 self.add("Gelu", x, y, n.name, approximate="tanh" if a["kind"] == "gelu_tanh" else "none")
-        elif n.op == "Add" and n.name in self.absorbed:
+        elif n.op == "Add" and self.added_by_correction(n):
             pass  # a native correction adds it (see residual_add)
         elif n.op in ("Add", "Mul"):
             self.add(n.op, x, y, n.name)
@@ -309,16 +305,19 @@ class _Builder:
         quants = {(float(u.attrs["x_scale"]), int(u.attrs["x_zero_point"])) for u, _ in v.uses if u.op == "QLinear" and u.name in self.members}
         return quants.pop() if len(quants) == 1 else None
 
-    def made_codes(self, value: str, quant: tuple[float, int]) -> str:
-        """The name of ``value``'s uint8 codes, which the op being lowered writes (see :meth:`quantized_by`)."""
-        self.codes[value] = (quant[0], quant[1], f"{value}.codes")
-        return f"{value}.codes"
+    def codes_of(self, v: Value) -> str | None:
+        """The name of ``v``'s uint8 codes when the native op that makes it (RMSNorm, SwiGLU) writes them for the
+        W8A8 projections that read it (:meth:`quantized_by`); else None."""
+        made = v.producer
+        if made is None or made.name not in self.members or self.quantized_by(v) is None:
+            return None
+        return f"{v.name}.codes" if made.op == "RMSNorm" or (made.op == "Mul" and self.swiglu(made) is not None) else None
 
     def residual_add(self, shadow: Node) -> tuple[Node, str] | None:
         """In a graph with llmc's native ops, for a correction whose one result only an Add of this graph reads (a
         block's last projection into the residual stream): (that Add, its other input, of the same shape and made
         before the correction), which the native correction adds itself; else None."""
-        if not self.native or len(shadow.outputs) != 1:
+        if not self.native or len(shadow.outputs) != 1 or self.whole_source(shadow) is not None:
             return None
         v = shadow.outputs[0]
         if v.name in self.sub.outputs or len(v.uses) != 1:
@@ -331,6 +330,11 @@ class _Builder:
         if other.shape != v.shape or (made is not None and made.name in self.members and self.order[made.name] > self.order[shadow.name]):
             return None
         return add, other.name
+
+    def added_by_correction(self, add: Node) -> bool:
+        """Whether a native correction of this graph adds ``add`` itself (:meth:`residual_add`)."""
+        return any(v.producer is not None and v.producer.op == "ShadowOutliers" and v.producer.name in self.members
+                   and (r := self.residual_add(v.producer)) is not None and r[0] is add for v in add.inputs)
 
     def columns_of(self, v: Value) -> tuple[str, int] | None:
         """(value, first column) when ``v`` is a column slice of a value this graph lowers whole: an IR Slice,
@@ -396,9 +400,8 @@ class _Builder:
         src = self.whole_source(n)
         if src is not None or len(y) == 1:
             base, out = (src.name, whole_name(n)) if src is not None else (x[1], y[0])
-            residual = self.residual_add(n) if src is None else None
+            residual = self.residual_add(n)
             if residual is not None:  # the block's residual Add too: out is the Add's result
-                self.absorbed.add(residual[0].name)
                 self.native_op(n, x[0], [base, residual[1]], residual[0].outputs[0].name)
             elif self.native:
                 self.native_op(n, x[0], [base], out)
