@@ -39,7 +39,11 @@ BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for
                 with accuracy_level=0 (float32 compute: 1.2x faster than int8 at
                 256 rows here); 8-bit always 4 (ONNX Runtime 1.32 has no packed
                 float32 kernel for 8 bits: it would dequantize the whole matrix
-                per call)
+                per call); with llmc's native ops a one-row 4-bit instance without
+                float offsets is ai.llmc.BlockQMatMul(x, codes, scales[, zero
+                points]; K, N, block_size 32, digits D): MatMulNBits' int8
+                numerics, the input widened in the kernel (no Reshape, ReduceSum,
+                Concat)
 ShadowOutliers  Clip, Sub; a chunk in equal blocks of about 64 rows (Reshape; the
                 block count looked up by the row count when it is symbolic):
                 Abs, ReduceSum over each block's rows, TopK of its outlier
@@ -73,6 +77,7 @@ log = logging.getLogger(__name__)
 
 OPSET = 23
 MS_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops (MatMulNBits)
+BLOCK_Q_MATMUL = 32  # the inputs per block of llmc's native BlockQMatMul (4-bit codes, one-row graphs)
 WEIGHTS_FILE = "weights/weights.bin"
 DECODE_SEQLENS, DECODE_TOTAL = "seqlens_k", "total_len"  # the decode graph's cache-length inputs
 DECODE_LOGIT_ROWS = "logit_rows"  # its chunk instance's rows that need logits (int64 [k])
@@ -110,7 +115,7 @@ class _Builder:
         from onnx import helper
 
         self.helper = helper
-        self.native = native  # llmc's native ops (--cpu-kernels native): shadow corrections, attention, SwiGLU
+        self.native = native  # llmc's native ops (--cpu-kernels native): shadow corrections, attention, SwiGLU, RMSNorm, BlockQMatMul
         self.graph = graph
         self.sub = sub
         self.rows = rows
@@ -201,13 +206,18 @@ class _Builder:
             out_f, nb, _ = qw.shape
             block, bits = a["block_size"], a["bits"]
             digits = a.get("offset_digits", 0)
-            xin = self.widened(x[0], block, digits) if digits else x[0]
-            ins = [xin, self.weight(qw), self.weight(n.weights["scales"])]
-            if "zero_points" in n.weights:
-                ins.append(self.weight(n.weights["zero_points"]))
             out = [f"{n.name}.sum"] if "bias" in n.weights else y
-            self.add("MatMulNBits", ins, [f"{n.name}.codes"] if "offsets" in n.weights else out, n.name, domain=MS_DOMAIN, K=nb * block,
-                     N=out_f, bits=bits, block_size=block, accuracy_level=4 if self.rows == 1 or bits == 8 else 0)
+            zero_points = [self.weight(n.weights["zero_points"])] if "zero_points" in n.weights else []
+            if self.native and self.rows == 1 and bits == 4 and block == BLOCK_Q_MATMUL and "offsets" not in n.weights:
+                # llmc's BlockQMatMul: MatMulNBits' one-row numerics (int8 activations per block), the input
+                # widened with its block sums inside the kernel
+                self.add("BlockQMatMul", [x[0], self.weight(qw), self.weight(n.weights["scales"])] + zero_points, out, n.name,
+                         domain=NATIVE_DOMAIN, K=nb * block, N=out_f, block_size=block, digits=digits)
+            else:
+                xin = self.widened(x[0], block, digits) if digits else x[0]
+                ins = [xin, self.weight(qw), self.weight(n.weights["scales"])] + zero_points
+                self.add("MatMulNBits", ins, [f"{n.name}.codes"] if "offsets" in n.weights else out, n.name, domain=MS_DOMAIN, K=nb * block,
+                         N=out_f, bits=bits, block_size=block, accuracy_level=4 if self.rows == 1 or bits == 8 else 0)
             if "offsets" in n.weights:  # one Gemm adds the offsets' term to the codes' product: C = the MatMulNBits result
                 self.add("Gemm", [self.block_sums(x[0], nb, block), self.weight(n.weights["offsets"]), f"{n.name}.codes"], out, f"{n.name}.offset")
             if "bias" in n.weights:

@@ -95,7 +95,8 @@ def cli(verbose: int) -> None:
                    "smooth_activations and a second calibrate) with this strength. Default: 0.8 with --no-shadow, else off.")
 @click.option("--cpu-kernels", type=click.Choice(["onnx", "native"]), default="onnx", show_default=True,
               help="How the CPU's graphs compute the shadow outlier corrections (npu), the decode graph's attention, a gated MLP's "
-                   "activation and the norms before W8A8 projections: ONNX Runtime's stock ops, or llmc's native ops (faster: fused "
+                   "activation, the norms before W8A8 projections and (int4) the one-row graphs' 4-bit projections: "
+                   "ONNX Runtime's stock ops, or llmc's native ops (faster: fused "
                    "quantization and residual adds; the decode graph then also prefills in chunks over an int8 KV cache or in a "
                    "sliding window; the bundle needs `llmc kernels build` run where it runs).")
 @click.option("--weight-granularity", type=click.Choice(["channel", "tensor"]), default="channel", show_default=True, help="[npu] int8 weight scales per output channel or per tensor.")

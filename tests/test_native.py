@@ -356,6 +356,37 @@ def test_native_decode_attention_over_an_int8_cache(model_dirs, calib_words, tmp
         assert a.dtype == np.int8 and diff.max() <= 1 and np.count_nonzero(diff) <= 2e-3 * diff.size
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_native_int4_bundle_decodes_with_block_q_matmul(model_dirs, tmp_path, native_kernels, family):
+    """--weights int4: the one-row graphs' 4-bit projections are BlockQMatMul, which widens its input itself
+    (no Concat, Reshape or ReduceSum for the block sums), the chunk graphs keep MatMulNBits (float32 compute)
+    and the 8-bit head its MatMulNBits; decode gives the stock bundle's logits (the same int8 activations),
+    qwen2's q/k/v with their bias."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    out = {}
+    for kernels in ("onnx", "native"):
+        out[kernels] = tmp_path / kernels
+        compile_model(str(model_dirs(family)), out[kernels], target="cpu", weight_format="int4", chunk=CHUNK, max_context=MAX_CONTEXT,
+                      cpu_kernels=kernels)
+    m = json.loads((out["native"] / "manifest.json").read_text())
+    one_row = _nodes(out["native"], f"{m['decode_graph']}.r1")
+    ops = [n.op_type for n in one_row]
+    assert ops.count("BlockQMatMul") == 8 and not {"Concat", "ReduceSum"} & set(ops)
+    assert [next(a.i for a in n.attribute if a.name == "bits") for n in one_row if n.op_type == "MatMulNBits"] == [8]
+    assert not any("BlockQMatMul" in o for inst, o in _ops(out["native"]).items() if not inst.endswith(".r1"))
+    ids = [int(t) for t in np.random.default_rng(3).integers(4, 120, size=CHUNK + 12)]
+    logits = {}
+    for kernels, bundle in out.items():
+        s = Session(bundle, "cpu")
+        s.reset()
+        s.prefill(ids[:CHUNK + 2])
+        logits[kernels] = [s.decode(t) for t in ids[CHUNK + 2:]]
+    for a, b in zip(logits["native"], logits["onnx"]):
+        np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max())
+
+
 def test_more_than_16_query_heads_per_kv_head_keep_group_query_attention(tmp_path, native_kernels):
     """DecodeAttention takes up to 16 query heads per KV head; a model with more (32 heads, 1 KV head) keeps
     GroupQueryAttention in its native bundle, and the op refuses such a node when its session loads."""
@@ -500,6 +531,75 @@ def test_swiglu_against_numpy(native_kernels):
     assert np.isnan(y[0, 0, 7]) and np.isnan(ref[0, 0, 7])
     y[0, 0, 7] = ref[0, 0, 7] = 0.0
     np.testing.assert_allclose(y, ref, rtol=2e-6, atol=1e-30)
+
+
+def _block_q_model(op: str, k: int, n: int, x_width: int, weights: dict, digits: int, **attrs):
+    from onnx import TensorProto, helper, numpy_helper
+
+    names = ["x", "codes", "scales"] + (["zero_points"] if "zero_points" in weights else [])
+    if op == "MatMulNBits":
+        node = helper.make_node(op, names, ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=32, accuracy_level=4)
+    else:
+        node = helper.make_node(op, names, ["y"], domain="ai.llmc", K=k, N=n, digits=digits, **{"block_size": 32, **attrs})
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, x_width])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(v, name) for name, v in weights.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid("ai.llmc", 1)])
+    m.ir_version = 10
+    return m
+
+
+def _block_q_weights(rng, n: int, nb: int, zero_points: bool) -> dict:
+    w = {"codes": rng.integers(0, 256, (n, nb, 16), dtype=np.uint8),
+         "scales": (rng.standard_normal(n * nb) * 0.01).astype(np.float32)}
+    w["scales"][::7] = 0.0  # constant blocks (fold_block_offsets' scale 0)
+    if zero_points:
+        w["zero_points"] = rng.integers(0, 256, n * ((nb + 1) // 2), dtype=np.uint8)
+    return w
+
+
+@pytest.mark.parametrize("k0,n,digits,zero_points,rows,threads", [
+    (576, 200, 3, True, 1, 2),    # SmolLM2's q/k/v: 21 blocks (two groups of 8 and one read past the column), 200 columns
+    (1536, 70, 3, True, 1, 2),    # its down projection: 54 blocks
+    (256, 130, 0, True, 2, 1),    # whole groups only, two rows, one thread
+    (64, 5, 0, False, 3, 2),      # fewer blocks than a group, the default zero point 8
+    (96, 33, 1, True, 1, 2),      # one digit over 3 block sums (one padded block)
+])
+def test_block_q_matmul_is_matmulnbits(native_kernels, k0, n, digits, zero_points, rows, threads):
+    """BlockQMatMul computes what ONNX Runtime's MatMulNBits (4 bits, blocks of 32, accuracy_level 4: int8
+    activations per block) computes over the input widened with its block sums (widen_with_block_sums, as the
+    stock lowering's Concat widens it), at several block counts (a group's tail read past the column and
+    summed singly in the last columns), with and without zero points, with blocks of scale 0 and an input
+    block of zeros; and within the int8 activations' error of x @ W^T in float64."""
+    from llmc.runtime.kernels import dequantize_blocks, widen_with_block_sums
+
+    rng = np.random.default_rng(k0 + n + digits)
+    sums = -(-(k0 // 32) // 32) * 32
+    k = k0 + digits * sums
+    w = _block_q_weights(rng, n, k // 32, zero_points)
+    x = rng.standard_normal((rows, k0)).astype(np.float32)
+    x[0, 32:64] = 0.0
+    wide = widen_with_block_sums(x, 32, digits)
+    ref = _session(_block_q_model("MatMulNBits", k, n, k, w, 0), native_kernels, threads).run(None, {"x": wide})[0]
+    got = _session(_block_q_model("BlockQMatMul", k, n, k0, w, digits), native_kernels, threads).run(None, {"x": x})[0]
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+    zp = w["zero_points"].reshape(n, -1) if zero_points else None
+    exact = wide.astype(np.float64) @ dequantize_blocks(w["codes"], w["scales"], None, 4, zp).T.astype(np.float64)
+    assert np.abs(got - exact).max() < 2e-2 * np.abs(exact).max()
+
+
+def test_block_q_matmul_named_errors(native_kernels):
+    """An input whose width its digits do not widen to K, and a block size other than 32, are errors that name
+    the op and what it takes."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    w = _block_q_weights(np.random.default_rng(0), 8, 4, True)
+    sess = _session(_block_q_model("BlockQMatMul", 128, 8, 64, w, 1), native_kernels)
+    with pytest.raises((Fail, InvalidArgument, RuntimeException), match="BlockQMatMul: x must be"):
+        sess.run(None, {"x": np.zeros((1, 64), np.float32)})
+    with pytest.raises((Fail, InvalidArgument, RuntimeException), match="BlockQMatMul: block_size must be 32"):
+        _session(_block_q_model("BlockQMatMul", 128, 8, 128, w, 0, block_size=16), native_kernels).run(None, {"x": np.zeros((1, 128), np.float32)})
 
 
 def _quantize_reference(y: np.ndarray, scale: float, zero_point: int) -> np.ndarray:

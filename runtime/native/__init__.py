@@ -13,6 +13,8 @@ The library (``llmc_kernels.cc``, domain ``ai.llmc``) holds:
 - ``RMSNorm``: ONNX ``RMSNormalization``. It and SwiGLU may also write their result's uint8 codes for the W8A8
   projection that reads it (as ``QuantizeLinear`` computes them); ``ShadowCorrection`` may add the residual
   stream. These fusions spare the graphs an Add and a QuantizeLinear per norm.
+- ``BlockQMatMul``: ``MatMulNBits`` (4-bit codes in blocks of 32, int8 activations per block) for the one-row
+  graphs of int4 bundles, widening its input with the block sums of folded offsets itself.
 
 Bundles compiled with ``--cpu-kernels native`` use these ops, and their sessions load the library.
 

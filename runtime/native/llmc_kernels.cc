@@ -1,5 +1,5 @@
 // llmc's native CPU kernels: an ONNX Runtime custom-op library (domain "ai.llmc"): ShadowCorrection,
-// DecodeAttention (and DecodeAttentionInt8), SwiGLU and RMSNorm (below).
+// DecodeAttention (and DecodeAttentionInt8), SwiGLU, RMSNorm and BlockQMatMul (below).
 //
 // ShadowCorrection(x[..., K], wt[K, N], base[..., N]?, residual[..., N]?; lo, hi) -> y[..., N]
 //
@@ -1146,6 +1146,244 @@ struct NormOp : CodesOp<NormOp, NormKernel> {
   size_t GetInputTypeCount() const { return 2; }
 };
 
+// ---------------------------------------------------------------------------------------------------
+// BlockQMatMul(x[..., K0], codes[N, nb, 16], scales[N * nb], zero_points[N * ceil(nb / 2)]?; K, N, block_size,
+//              digits?) -> y[..., N]
+//
+// ONNX Runtime's MatMulNBits for 4-bit codes in blocks of 32 inputs with int8 activations (accuracy_level 4),
+// for the rows of a decode step: y[n] = sum over blocks b of scale[n, b] * (codes[n, b] - z[n, b]) . x_b,
+// with x_b quantized to int8 per block (its scale the block's largest magnitude / 127, round half to even) and
+// z the 4-bit zero point (two a byte, the low nibble first; 8 when there are none). codes hold two inputs a
+// byte, the even one in the low nibble. With digits D (fold_block_offsets) x is widened first, as the
+// backend's Concat widens it for MatMulNBits: [x, P, ..., P] with D copies of P, x's sums over its blocks
+// of 32 zero-padded to whole blocks, so that K = K0 + D * len(P).
+//
+// Each row of x is widened and quantized once. Its int8 entries are stored in the codes' order: blocks in
+// pairs, the even inputs of both blocks, then their odd ones, so that one 32-byte load of two blocks' codes
+// meets them in two unsigned-by-signed byte multiplies (low nibbles, high nibbles; vpmaddubsw, at most
+// 2 * 15 * 127 a lane: no saturation). Eight blocks' int32 sums are then one vector (pair-adds), in the
+// lane order kLaneBlock, which x's block scales and code sums are stored in too: the scales, the zero
+// points' term and the accumulation are one vector operation per eight blocks. A column's last group may
+// reach past its blocks into the next column's: x is zero there (its codes, code sums and scales), so that
+// their terms vanish; only the matrix's last columns, where that would read past the weights, sum their
+// last blocks in pairs and singly.
+//
+// The op is bound by reading the weights once (half a byte a weight and a float scale per 32). Tasks on ONNX
+// Runtime's threads are blocks of kMatVecColumns output columns, each summed whole before the next: one
+// column's codes are one sequential stream (several columns summed together, sharing x's loads, were
+// slower at one row, their codes being several streams).
+
+constexpr int64_t kQBlock = 32;          // inputs per block (BlockQMatMul's block_size)
+constexpr int64_t kGroupBlocks = 8;      // blocks summed in one vector
+constexpr int64_t kMatVecColumns = 64;   // output columns per task
+constexpr int kLaneBlock[kGroupBlocks] = {0, 2, 4, 6, 1, 3, 5, 7};  // the block of a group in each lane
+
+struct QuantizedRow {  // a row of x widened and quantized per block, padded with zero blocks to whole groups
+  std::vector<int8_t> q;     // [groups * 8 * 32]: pairs of blocks, their even inputs, then their odd ones
+  std::vector<float> scale;  // [groups * 8]: the blocks' scales, each group's in kLaneBlock order
+  std::vector<float> sum;    // [groups * 8]: the blocks' code sums, as scale
+};
+
+// Where block b's scale and code sum are stored.
+inline int64_t lane_of(int64_t b) {
+  const int64_t at = b % kGroupBlocks;
+  return b - at + (at % 2) * (kGroupBlocks / 2) + at / 2;
+}
+
+inline int64_t matvec_groups(int64_t nb) { return (nb + kGroupBlocks - 1) / kGroupBlocks; }
+
+void quantize_blocks(const float* x, int64_t k0, int64_t digits, int64_t nb, QuantizedRow& out, std::vector<float>& wide) {
+  const int64_t k = nb * kQBlock, sums = (k0 / kQBlock + kQBlock - 1) / kQBlock * kQBlock;
+  wide.assign(static_cast<size_t>(k), 0.0f);
+  std::memcpy(wide.data(), x, static_cast<size_t>(k0) * sizeof(float));
+  for (int64_t b = 0; b < k0 / kQBlock; ++b) {
+    float t = 0.0f;
+    for (int64_t i = 0; i < kQBlock; ++i) t += x[b * kQBlock + i];
+    for (int64_t d = 0; d < digits; ++d) wide[static_cast<size_t>(k0 + d * sums + b)] = t;
+  }
+  const size_t padded = static_cast<size_t>(matvec_groups(nb) * kGroupBlocks);
+  out.q.assign(padded * kQBlock, 0);
+  out.scale.assign(padded, 0.0f);
+  out.sum.assign(padded, 0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* v = wide.data() + b * kQBlock;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kQBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+    const float inv = amax != 0.0f ? 127.0f / amax : 0.0f;
+    int8_t* q = out.q.data() + b / 2 * 2 * kQBlock + (b % 2) * (kQBlock / 2);
+    int32_t total = 0;
+    for (int64_t i = 0; i < kQBlock; ++i) {
+      const int32_t c = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+      q[(i % 2) * kQBlock + i / 2] = static_cast<int8_t>(c);
+      total += c;
+    }
+    out.scale[static_cast<size_t>(lane_of(b))] = amax / 127.0f;
+    out.sum[static_cast<size_t>(lane_of(b))] = static_cast<float>(total);
+  }
+}
+
+struct MatVecJob {
+  const QuantizedRow* row;
+  const uint8_t* codes;
+  const float* scales;
+  const uint8_t* zero_points;  // may be null: 8
+  float* y;
+  int64_t n, nb, zero_stride;
+  int64_t whole;  // the columns before it may sum their last group whole (see BlockQMatMul)
+};
+
+inline int32_t zero_point(const MatVecJob& job, int64_t col, int64_t b) {
+  if (job.zero_points == nullptr) return 8;
+  return (job.zero_points[col * job.zero_stride + b / 2] >> ((b % 2) * 4)) & 0xf;
+}
+
+// Block b of column col: its codes' int32 dot product with x's block.
+inline int32_t block_dot(const MatVecJob& job, int64_t col, int64_t b) {
+  const uint8_t* c = job.codes + (col * job.nb + b) * (kQBlock / 2);
+  const int8_t* xq = job.row->q.data() + b / 2 * 2 * kQBlock + (b % 2) * (kQBlock / 2);
+#if defined(__AVX2__)
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c)), low = _mm_set1_epi8(0x0f);
+  const __m128i even = _mm_maddubs_epi16(_mm_and_si128(codes, low), _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq)));
+  const __m128i odd = _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(codes, 4), low), _mm_loadu_si128(reinterpret_cast<const __m128i*>(xq + kQBlock)));
+  __m128i d = _mm_madd_epi16(_mm_add_epi16(even, odd), _mm_set1_epi16(1));
+  d = _mm_add_epi32(d, _mm_shuffle_epi32(d, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(d, _mm_shuffle_epi32(d, 0xb1)));
+#else
+  int32_t dot = 0;
+  for (int64_t i = 0; i < kQBlock / 2; ++i) dot += (c[i] & 0xf) * xq[i] + (c[i] >> 4) * xq[kQBlock + i];
+  return dot;
+#endif
+}
+
+// Blocks [b0, nb) of column col, one at a time.
+float column_blocks(const MatVecJob& job, int64_t col, int64_t b0) {
+  const QuantizedRow& x = *job.row;
+  float total = 0.0f;
+  for (int64_t b = b0; b < job.nb; ++b) {
+    const size_t lane = static_cast<size_t>(lane_of(b));
+    const float dot = static_cast<float>(block_dot(job, col, b)) - static_cast<float>(zero_point(job, col, b)) * x.sum[lane];
+    total += job.scales[col * job.nb + b] * x.scale[lane] * dot;
+  }
+  return total;
+}
+
+// Column col: its blocks' int8 dot products, scaled and summed, kGroupBlocks at a time.
+float column(const MatVecJob& job, int64_t col) {
+#if defined(__AVX2__)
+  const QuantizedRow& x = *job.row;
+  const int64_t nb = job.nb;
+  const int64_t groups = col < job.whole ? matvec_groups(nb) : nb / kGroupBlocks;
+  const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256i shifts = _mm256_setr_epi32(0, 8, 16, 24, 4, 12, 20, 28);  // lane l's zero-point nibble: block kLaneBlock[l]
+  const uint8_t* codes = job.codes + col * nb * (kQBlock / 2);
+  const float* scales = job.scales + col * nb;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t b = g * kGroupBlocks;
+    __m256i pair[kGroupBlocks / 2];
+#pragma GCC unroll 4
+    for (int p = 0; p < kGroupBlocks / 2; ++p) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (b + 2 * p) * (kQBlock / 2)));
+      const int8_t* xq = x.q.data() + (b + 2 * p) * kQBlock;
+      const __m256i even = _mm256_maddubs_epi16(_mm256_and_si256(c, low), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
+      const __m256i odd = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), low),
+                                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + kQBlock)));
+      pair[p] = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
+    }
+    const __m256i dots = _mm256_hadd_epi32(_mm256_hadd_epi32(pair[0], pair[1]), _mm256_hadd_epi32(pair[2], pair[3]));
+    __m256 z = _mm256_set1_ps(8.0f);
+    if (job.zero_points != nullptr) {
+      int32_t nibbles;
+      std::memcpy(&nibbles, job.zero_points + col * job.zero_stride + b / 2, sizeof nibbles);
+      z = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(nibbles), shifts), _mm256_set1_epi32(0xf)));
+    }
+    const __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(scales + b), order), _mm256_loadu_ps(x.scale.data() + b));
+    acc = _mm256_fmadd_ps(_mm256_fnmadd_ps(z, _mm256_loadu_ps(x.sum.data() + b), _mm256_cvtepi32_ps(dots)), scale, acc);
+  }
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  const float total = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+  return groups * kGroupBlocks >= nb ? total : total + column_blocks(job, col, groups * kGroupBlocks);
+#else
+  return column_blocks(job, col, 0);
+#endif
+}
+
+void matvec_task(void* data, size_t t) {
+  const MatVecJob& job = *static_cast<const MatVecJob*>(data);
+  const int64_t c0 = static_cast<int64_t>(t) * kMatVecColumns, c1 = std::min(job.n, c0 + kMatVecColumns);
+  for (int64_t c = c0; c < c1; ++c) job.y[c] = column(job, c);
+}
+
+struct MatVecKernel {
+  int64_t k, n, digits;
+
+  MatVecKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    k = ki.GetAttribute<int64_t>("K");
+    n = ki.GetAttribute<int64_t>("N");
+    digits = attribute_or(ki, "digits", 0);
+    if (attribute_or(ki, "block_size", kQBlock) != kQBlock || k <= 0 || k % kQBlock != 0 || n <= 0 || digits < 0)
+      throw Ort::Exception("BlockQMatMul: block_size must be 32, K a positive multiple of it, N positive and digits >= 0",
+                           ORT_INVALID_ARGUMENT);
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    Ort::ConstValue x = ctx.GetInput(0), codes = ctx.GetInput(1), scales = ctx.GetInput(2);
+    const OrtValue* zp_value = ctx.GetInputCount() > 3 ? static_cast<const OrtValue*>(ctx.GetInput(3)) : nullptr;
+    std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+    const int64_t nb = k / kQBlock;
+    const int64_t k0 = shape.empty() ? -1 : shape.back();
+    const int64_t sums = k0 < 0 ? 0 : (k0 / kQBlock + kQBlock - 1) / kQBlock * kQBlock;
+    if (k0 < 0 || k0 % kQBlock != 0 || k0 + digits * sums != k)
+      throw Ort::Exception("BlockQMatMul: x must be [..., K0], K0 a multiple of 32 that its digits' block sums widen to K",
+                           ORT_INVALID_ARGUMENT);
+    const int64_t zero_stride = (nb + 1) / 2;
+    if (codes.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n * nb * kQBlock / 2) ||
+        scales.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n * nb) ||
+        (zp_value != nullptr && Ort::ConstValue{zp_value}.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n * zero_stride)))
+      throw Ort::Exception("BlockQMatMul: codes must be [N, K / 32, 16], scales [N * K / 32] and zero_points [N * ceil(K / 64)]",
+                           ORT_INVALID_ARGUMENT);
+    const int64_t rows = leading_rows(shape);
+    shape.back() = n;
+    Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
+    QuantizedRow row;
+    std::vector<float> wide;
+    // the columns whose last group, read whole, stays inside codes, scales and zero points
+    const int64_t over = matvec_groups(nb) * kGroupBlocks - nb;
+    int64_t whole = n - (over + nb - 1) / nb;
+    if (zp_value != nullptr) whole = std::min(whole, n - (matvec_groups(nb) * kGroupBlocks / 2 - zero_stride + zero_stride - 1) / zero_stride);
+    MatVecJob job{&row, codes.GetTensorData<uint8_t>(), scales.GetTensorData<float>(),
+                  zp_value != nullptr ? Ort::ConstValue{zp_value}.GetTensorData<uint8_t>() : nullptr, nullptr, n, nb, zero_stride, whole};
+    const size_t tasks = static_cast<size_t>((n + kMatVecColumns - 1) / kMatVecColumns);
+    for (int64_t r = 0; r < rows; ++r) {
+      quantize_blocks(x.GetTensorData<float>() + r * k0, k0, digits, nb, row, wide);
+      job.y = y.GetTensorMutableData<float>() + r * n;
+      if (tasks > 1 && static_cast<size_t>(n * k) >= kParallelWork)
+        ctx.ParallelFor(matvec_task, tasks, 0, &job);
+      else
+        for (size_t t = 0; t < tasks; ++t) matvec_task(&job, t);
+    }
+  }
+};
+
+struct MatVecOp : Ort::CustomOpBase<MatVecOp, MatVecKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new MatVecKernel(api, info); }
+  const char* GetName() const { return "BlockQMatMul"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 4; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 0 || i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
 std::mutex domains_mutex;
 std::vector<Ort::CustomOpDomain> domains;  // alive as long as the library: sessions refer to them
 
@@ -1158,6 +1396,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
   static const DecodeAttentionOp<int8_t> decode_attention_int8;
   static const SwigluOp swiglu;
   static const NormOp rms_norm;
+  static const MatVecOp block_q_matmul;
   try {
     Ort::CustomOpDomain domain{"ai.llmc"};
     domain.Add(&shadow_correction);
@@ -1165,6 +1404,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     domain.Add(&decode_attention_int8);
     domain.Add(&swiglu);
     domain.Add(&rms_norm);
+    domain.Add(&block_q_matmul);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(domains_mutex);
     domains.push_back(std::move(domain));
