@@ -553,6 +553,7 @@ def _block_q_weights(rng, n: int, nb: int, zero_points: bool) -> dict:
     w = {"codes": rng.integers(0, 256, (n, nb, 16), dtype=np.uint8),
          "scales": (rng.standard_normal(n * nb) * 0.01).astype(np.float32)}
     w["scales"][::7] = 0.0  # constant blocks (fold_block_offsets' scale 0)
+    w["codes"][:, 0, :2] = [0, 255]  # the extreme codes
     if zero_points:
         w["zero_points"] = rng.integers(0, 256, n * ((nb + 1) // 2), dtype=np.uint8)
     return w
@@ -571,7 +572,7 @@ def test_block_q_matmul_is_matmulnbits(native_kernels, k0, n, digits, zero_point
     stock lowering's Concat widens it), at several block counts (a group's tail read past the column and
     summed singly in the last columns), with and without zero points, with blocks of scale 0 and an input
     block of zeros; and within the int8 activations' error of x @ W^T in float64."""
-    from llmc.runtime.kernels import dequantize_blocks, widen_with_block_sums
+    from llmc.runtime.kernels import unpack_nibbles, widen_with_block_sums
 
     rng = np.random.default_rng(k0 + n + digits)
     sums = -(-(k0 // 32) // 32) * 32
@@ -584,8 +585,10 @@ def test_block_q_matmul_is_matmulnbits(native_kernels, k0, n, digits, zero_point
     got = _session(_block_q_model("BlockQMatMul", k, n, k0, w, digits), native_kernels, threads).run(None, {"x": x})[0]
     assert got.shape == (rows, n) and got.dtype == np.float32
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
-    zp = w["zero_points"].reshape(n, -1) if zero_points else None
-    exact = wide.astype(np.float64) @ dequantize_blocks(w["codes"], w["scales"], None, 4, zp).T.astype(np.float64)
+    nb = k // 32
+    z = unpack_nibbles(w["zero_points"].reshape(n, -1))[:, :nb, None] if zero_points else 8
+    weights = ((unpack_nibbles(w["codes"]).astype(np.float64) - z) * w["scales"].reshape(n, nb)[..., None]).reshape(n, k)
+    exact = wide.astype(np.float64) @ weights.T
     assert np.abs(got - exact).max() < 2e-2 * np.abs(exact).max()
 
 
