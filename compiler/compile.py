@@ -56,7 +56,7 @@ _READ_BY = {
     "prompt_len": ("--prompt-len", ("schedule",), _COST),
     "cpu_kernels": ("--cpu-kernels", ("extract_shadow_outliers", "quantize", "fuse_decode_graph"), _COST),
 }
-CPU_KERNELS = ("onnx", "native")  # how the CPU's graphs compute the shadow corrections and decode attention (--cpu-kernels)
+CPU_KERNELS = ("onnx", "native")  # stock ONNX Runtime ops or llmc's native ones in the CPU's graphs (--cpu-kernels)
 
 
 def check_early(options: CompileOptions, names: list[str], target: str, soc: str | None, explicit: Iterable[str],
@@ -178,8 +178,9 @@ def compile_model(
     ``weight_format="int4"`` (``target="cpu"`` only) runs the ``cpu-int4`` pipeline: weight-only
     int4 Linears (``quantize_int4``). ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
     ``calibrate`` where the pipeline has none, see :func:`with_kv_cache`): an int8 KV cache.
-    ``cpu_kernels="native"`` writes the shadow corrections (over float16 weight tables) and the decode graph's
-    attention (one row, and chunks, over int8 caches and in sliding windows too) as llmc's native ops
+    ``cpu_kernels="native"`` writes the shadow corrections (over float16 weight tables), the decode graph's
+    attention (one row, and chunks, over int8 caches and in sliding windows too), gated MLP activations, the
+    norms before W8A8 projections and int4's one-row 4-bit projections as llmc's native ops
     (:mod:`llmc.runtime.native`); the bundle then needs the kernels built where it runs.
     ``explicit`` names the options the user set (the CLI's); one that nothing in this compile
     reads is refused (:func:`check_early`).
