@@ -592,6 +592,57 @@ def test_block_q_matmul_is_matmulnbits(native_kernels, k0, n, digits, zero_point
     assert np.abs(got - exact).max() < 2e-2 * np.abs(exact).max()
 
 
+_ASAN_SCRIPT = """
+import sys
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+rng = np.random.default_rng(0)
+for k0, n, digits, zero_points in [(576, 200, 3, True), (1536, 9, 3, True), (64, 5, 0, False), (96, 33, 1, True), (256, 3, 0, True)]:
+    sums = -(-(k0 // 32) // 32) * 32
+    k = k0 + digits * sums
+    nb = k // 32
+    weights = {"codes": rng.integers(0, 256, (n, nb, 16), dtype=np.uint8), "scales": rng.standard_normal(n * nb).astype(np.float32)}
+    if zero_points:
+        weights["zero_points"] = rng.integers(0, 256, n * ((nb + 1) // 2), dtype=np.uint8)
+    node = helper.make_node("BlockQMatMul", ["x", *weights], ["y"], domain="ai.llmc", K=k, N=n, block_size=32, digits=digits)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k0])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(v, name) for name, v in weights.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.llmc", 1)])
+    m.ir_version = 10
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(sys.argv[1])
+    y = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": rng.standard_normal((1, k0)).astype(np.float32)})[0]
+    assert y.shape == (1, n) and np.isfinite(y).all()
+print("clean")
+"""
+
+
+def test_block_q_matmul_reads_stay_inside_its_inputs(native_kernels, tmp_path, monkeypatch):
+    """A column's last group of blocks is read whole, past the column's end into the next column's codes, scales
+    and zero points (where x is zero), except in the matrix's last columns, where that would read past the
+    weights. The kernels built with AddressSanitizer run BlockQMatMul at block counts that read past a column (21,
+    54, 2, 4 and 8 blocks; fewer columns than a group reaches) without a read outside its inputs (a build that read
+    past the last columns too was caught). Skipped where GCC has no AddressSanitizer runtime."""
+    import subprocess
+    import sys
+
+    from llmc.runtime import native
+
+    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True, check=False).stdout.strip()
+    if not os.path.isabs(libasan) or not os.path.isfile(libasan):
+        pytest.skip("GCC's AddressSanitizer runtime (libasan.so) is not installed")
+    cxx = tmp_path / "cxx-asan"
+    cxx.write_text('#!/bin/sh\nexec g++ "$@" -fsanitize=address -fno-omit-frame-pointer\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    library = native.build(cxx=str(cxx))
+    env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0")
+    done = subprocess.run([sys.executable, "-c", _ASAN_SCRIPT, str(library)], capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0 and "AddressSanitizer" not in done.stderr and done.stdout.strip() == "clean", done.stderr[-3000:]
+
+
 def test_block_q_matmul_named_errors(native_kernels):
     """An input whose width its digits do not widen to K, and a block size other than 32, are errors that name
     the op and what it takes."""

@@ -1316,6 +1316,9 @@ void matvec_task(void* data, size_t t) {
   for (int64_t c = c0; c < c1; ++c) job.y[c] = column(job, c);
 }
 
+// The columns at the end of a matrix of columns `stride` long that a read `over` past a column's end may leave it.
+inline int64_t columns_past(int64_t over, int64_t stride) { return (over + stride - 1) / stride; }
+
 struct MatVecKernel {
   int64_t k, n, digits;
 
@@ -1351,10 +1354,11 @@ struct MatVecKernel {
     Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
     QuantizedRow row;
     std::vector<float> wide;
-    // the columns whose last group, read whole, stays inside codes, scales and zero points
-    const int64_t over = matvec_groups(nb) * kGroupBlocks - nb;
-    int64_t whole = n - (over + nb - 1) / nb;
-    if (zp_value != nullptr) whole = std::min(whole, n - (matvec_groups(nb) * kGroupBlocks / 2 - zero_stride + zero_stride - 1) / zero_stride);
+    // the columns whose last group, read whole, stays inside the codes and scales: a column reaches reach - nb
+    // blocks past its own nb. (Its zero points reach reach / 2 - ceil(nb / 2) bytes past its own ceil(nb / 2), no
+    // more columns.)
+    const int64_t reach = matvec_groups(nb) * kGroupBlocks;
+    const int64_t whole = n - columns_past(reach - nb, nb);
     MatVecJob job{&row, codes.GetTensorData<uint8_t>(), scales.GetTensorData<float>(),
                   zp_value != nullptr ? Ort::ConstValue{zp_value}.GetTensorData<uint8_t>() : nullptr, nullptr, n, nb, zero_stride, whole};
     const size_t tasks = static_cast<size_t>((n + kMatVecColumns - 1) / kMatVecColumns);
