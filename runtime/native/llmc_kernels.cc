@@ -1166,7 +1166,7 @@ struct NormOp : CodesOp<NormOp, NormKernel> {
 // points' term and the accumulation are one vector operation per eight blocks. A column's last group may
 // reach past its blocks into the next column's: x is zero there (its codes, code sums and scales), so that
 // their terms vanish; only the matrix's last columns, where that would read past the weights, sum their
-// last blocks in pairs and singly.
+// last blocks one at a time.
 //
 // The op is bound by reading the weights once (half a byte a weight and a float scale per 32). Tasks on ONNX
 // Runtime's threads are blocks of kMatVecColumns output columns, each summed whole before the next: one
@@ -1176,7 +1176,7 @@ struct NormOp : CodesOp<NormOp, NormKernel> {
 constexpr int64_t kQBlock = 32;          // inputs per block (BlockQMatMul's block_size)
 constexpr int64_t kGroupBlocks = 8;      // blocks summed in one vector
 constexpr int64_t kMatVecColumns = 64;   // output columns per task
-constexpr int kLaneBlock[kGroupBlocks] = {0, 2, 4, 6, 1, 3, 5, 7};  // the block of a group in each lane
+constexpr int kLaneBlock[kGroupBlocks] = {0, 2, 4, 6, 1, 3, 5, 7};  // the block of a group in each lane (lane_of inverts it)
 
 struct QuantizedRow {  // a row of x widened and quantized per block, padded with zero blocks to whole groups
   std::vector<int8_t> q;     // [groups * 8 * 32]: pairs of blocks, their even inputs, then their odd ones
