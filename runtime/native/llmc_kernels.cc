@@ -1185,10 +1185,17 @@ struct QuantizedRow {  // a row of x widened and quantized per block, padded wit
 };
 
 // Where block b's scale and code sum are stored.
-inline int64_t lane_of(int64_t b) {
+constexpr int64_t lane_of(int64_t b) {
   const int64_t at = b % kGroupBlocks;
   return b - at + (at % 2) * (kGroupBlocks / 2) + at / 2;
 }
+
+constexpr bool lanes_match() {
+  for (int l = 0; l < kGroupBlocks; ++l)
+    if (lane_of(kLaneBlock[l]) != l) return false;
+  return true;
+}
+static_assert(lanes_match(), "lane_of must put each block in the lane the pair-adds leave its sum in");
 
 inline int64_t matvec_groups(int64_t nb) { return (nb + kGroupBlocks - 1) / kGroupBlocks; }
 
