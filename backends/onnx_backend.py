@@ -207,17 +207,18 @@ class _Builder:
             block, bits = a["block_size"], a["bits"]
             digits = a.get("offset_digits", 0)
             out = [f"{n.name}.sum"] if "bias" in n.weights else y
-            zero_points = [self.weight(n.weights["zero_points"])] if "zero_points" in n.weights else []
+            codes = [self.weight(qw), self.weight(n.weights["scales"])]
+            if "zero_points" in n.weights:
+                codes.append(self.weight(n.weights["zero_points"]))
             if self.native and self.rows == 1 and bits == 4 and block == BLOCK_Q_MATMUL and "offsets" not in n.weights:
                 # llmc's BlockQMatMul: MatMulNBits' one-row numerics (int8 activations per block), the input
                 # widened with its block sums inside the kernel
-                self.add("BlockQMatMul", [x[0], self.weight(qw), self.weight(n.weights["scales"])] + zero_points, out, n.name,
-                         domain=NATIVE_DOMAIN, K=nb * block, N=out_f, block_size=block, digits=digits)
+                self.add("BlockQMatMul", [x[0], *codes], out, n.name, domain=NATIVE_DOMAIN, K=nb * block, N=out_f, block_size=block,
+                         digits=digits)
             else:
                 xin = self.widened(x[0], block, digits) if digits else x[0]
-                ins = [xin, self.weight(qw), self.weight(n.weights["scales"])] + zero_points
-                self.add("MatMulNBits", ins, [f"{n.name}.codes"] if "offsets" in n.weights else out, n.name, domain=MS_DOMAIN, K=nb * block,
-                         N=out_f, bits=bits, block_size=block, accuracy_level=4 if self.rows == 1 or bits == 8 else 0)
+                self.add("MatMulNBits", [xin, *codes], [f"{n.name}.codes"] if "offsets" in n.weights else out, n.name, domain=MS_DOMAIN,
+                         K=nb * block, N=out_f, bits=bits, block_size=block, accuracy_level=4 if self.rows == 1 or bits == 8 else 0)
             if "offsets" in n.weights:  # one Gemm adds the offsets' term to the codes' product: C = the MatMulNBits result
                 self.add("Gemm", [self.block_sums(x[0], nb, block), self.weight(n.weights["offsets"]), f"{n.name}.codes"], out, f"{n.name}.offset")
             if "bias" in n.weights:

@@ -572,11 +572,11 @@ def test_block_q_matmul_is_matmulnbits(native_kernels, k0, n, digits, zero_point
     stock lowering's Concat widens it), at several block counts (a group's tail read past the column and
     summed singly in the last columns), with and without zero points, with blocks of scale 0 and an input
     block of zeros; and within the int8 activations' error of x @ W^T in float64."""
+    from llmc.ops import folded_blocks
     from llmc.runtime.kernels import unpack_nibbles, widen_with_block_sums
 
     rng = np.random.default_rng(k0 + n + digits)
-    sums = -(-(k0 // 32) // 32) * 32
-    k = k0 + digits * sums
+    k = folded_blocks(k0, 32, digits) * 32
     w = _block_q_weights(rng, n, k // 32, zero_points)
     x = rng.standard_normal((rows, k0)).astype(np.float32)
     x[0, 32:64] = 0.0
@@ -596,25 +596,14 @@ _ASAN_SCRIPT = """
 import sys
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper, numpy_helper
 
-rng = np.random.default_rng(0)
-for k0, n, digits, zero_points in [(576, 200, 3, True), (1536, 9, 3, True), (64, 5, 0, False), (96, 33, 1, True), (256, 3, 0, True)]:
-    sums = -(-(k0 // 32) // 32) * 32
-    k = k0 + digits * sums
-    nb = k // 32
-    weights = {"codes": rng.integers(0, 256, (n, nb, 16), dtype=np.uint8), "scales": rng.standard_normal(n * nb).astype(np.float32)}
-    if zero_points:
-        weights["zero_points"] = rng.integers(0, 256, n * ((nb + 1) // 2), dtype=np.uint8)
-    node = helper.make_node("BlockQMatMul", ["x", *weights], ["y"], domain="ai.llmc", K=k, N=n, block_size=32, digits=digits)
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k0])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(v, name) for name, v in weights.items()])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.llmc", 1)])
-    m.ir_version = 10
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(sys.argv[1])
-    y = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, {"x": rng.standard_normal((1, k0)).astype(np.float32)})[0]
-    assert y.shape == (1, n) and np.isfinite(y).all()
+so = ort.SessionOptions()
+so.register_custom_ops_library(sys.argv[1])
+for path in sys.argv[2:]:
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    x = sess.get_inputs()[0]
+    y = sess.run(None, {x.name: np.ones((1, x.shape[1]), np.float32)})[0]
+    assert np.isfinite(y).all()
 print("clean")
 """
 
@@ -628,18 +617,26 @@ def test_block_q_matmul_reads_stay_inside_its_inputs(native_kernels, tmp_path, m
     import subprocess
     import sys
 
+    from llmc.ops import folded_blocks
     from llmc.runtime import native
 
     libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True, check=False).stdout.strip()
     if not os.path.isabs(libasan) or not os.path.isfile(libasan):
         pytest.skip("GCC's AddressSanitizer runtime (libasan.so) is not installed")
+    rng = np.random.default_rng(0)
+    models = []
+    for k0, n, digits, zero_points in [(576, 200, 3, True), (1536, 9, 3, True), (64, 5, 0, False), (96, 33, 1, True), (256, 3, 0, True)]:
+        k = folded_blocks(k0, 32, digits) * 32
+        models.append(tmp_path / f"block_q_{k0}_{n}.onnx")
+        models[-1].write_bytes(_block_q_model("BlockQMatMul", k, n, k0, _block_q_weights(rng, n, k // 32, zero_points), digits).SerializeToString())
     cxx = tmp_path / "cxx-asan"
     cxx.write_text('#!/bin/sh\nexec g++ "$@" -fsanitize=address -fno-omit-frame-pointer\n')
     cxx.chmod(0o755)
     monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
     library = native.build(cxx=str(cxx))
     env = dict(os.environ, LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0")
-    done = subprocess.run([sys.executable, "-c", _ASAN_SCRIPT, str(library)], capture_output=True, text=True, env=env, timeout=600, check=False)
+    done = subprocess.run([sys.executable, "-c", _ASAN_SCRIPT, str(library), *map(str, models)], capture_output=True, text=True, env=env,
+                          timeout=600, check=False)
     assert done.returncode == 0 and "AddressSanitizer" not in done.stderr and done.stdout.strip() == "clean", done.stderr[-3000:]
 
 

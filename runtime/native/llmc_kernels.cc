@@ -1359,8 +1359,8 @@ struct MatVecKernel {
     const int64_t rows = leading_rows(shape);
     shape.back() = n;
     Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
-    QuantizedRow row;
-    std::vector<float> wide;
+    thread_local QuantizedRow row;  // this thread's buffers, kept across calls (a decode step makes one a projection)
+    thread_local std::vector<float> wide;
     // the columns whose last group, read whole, stays inside the codes and scales: a column reaches reach - nb
     // blocks past its own nb. (Its zero points reach reach / 2 - ceil(nb / 2) bytes past its own ceil(nb / 2), no
     // more columns.)
