@@ -429,39 +429,59 @@ def test_more_than_16_query_heads_per_kv_head_keep_group_query_attention(tmp_pat
                                                    "total": np.ones((), np.int32)})
 
 
-@pytest.mark.parametrize("d", [16, 80, 20])
-def test_decode_attention_against_numpy(native_kernels, d):
-    """DecodeAttention alone, q/k/v separate, no rotary, 300 positions (3 split-K blocks, a partial one): the
-    new K/V row lands at seqlens_k, the output is softmax(q k^T * scale) v per head over the group's KV
-    head, and a NaN in one head's query makes that head's output NaN and no other's. Head sizes: whole
-    vectors (16), whole vectors past the widest register block (80), and one the vector loops do not take (20)."""
+@pytest.mark.parametrize("d,heads,kv,int8", [(16, 4, 2, False), (80, 4, 2, False), (20, 4, 2, False), (16, 14, 2, False),
+                                           (80, 7, 1, True), (20, 5, 1, True), (16, 4, 2, True)])
+def test_decode_attention_against_numpy(native_kernels, d, heads, kv, int8):
+    """DecodeAttention (and DecodeAttentionInt8, int8 caches with per-channel scales) alone, q/k/v separate, no
+    rotary, 300 positions (3 split-K blocks, a partial one): the new K/V row lands at seqlens_k (as its codes),
+    the output is softmax(q k^T * scale) v per head over the group's KV head, and a NaN in one head's query
+    makes that head's output NaN and no other's. Head sizes: whole vectors (16), whole vectors past the widest
+    register block (80), and one the vector loops do not take (20). Groups of 2, 5, 7 query heads per KV head:
+    the kernel reads a key or value row once for a batch of heads (3, or 4 with AVX-512), so some groups end in
+    a part-filled batch."""
     from onnx import TensorProto, helper
 
-    heads, kv, cap, p = 4, 2, 320, 299
+    cap, p = 320, 299
     vi = helper.make_tensor_value_info
-    node = helper.make_node("DecodeAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["o", "ck", "cv"], domain="ai.llmc",
+    ct = TensorProto.INT8 if int8 else TensorProto.FLOAT
+    names = ["q", "k", "v", "pk", "pv", "seqlens", "total"] + (["", "", "ks", "vs"] if int8 else [])
+    node = helper.make_node("DecodeAttentionInt8" if int8 else "DecodeAttention", names, ["o", "ck", "cv"], domain="ai.llmc",
                             num_heads=heads, kv_num_heads=kv, scale=0.25)
-    g = helper.make_graph([node], "g", [vi("q", TensorProto.FLOAT, [1, 1, heads * d]), vi("k", TensorProto.FLOAT, [1, 1, kv * d]),
-                                        vi("v", TensorProto.FLOAT, [1, 1, kv * d]), vi("pk", TensorProto.FLOAT, [1, kv, cap, d]),
-                                        vi("pv", TensorProto.FLOAT, [1, kv, cap, d]), vi("seqlens", TensorProto.INT32, [1]),
-                                        vi("total", TensorProto.INT32, [])],
-                          [vi("o", TensorProto.FLOAT, None), vi("ck", TensorProto.FLOAT, None), vi("cv", TensorProto.FLOAT, None)])
+    inputs = [vi("q", TensorProto.FLOAT, [1, 1, heads * d]), vi("k", TensorProto.FLOAT, [1, 1, kv * d]),
+              vi("v", TensorProto.FLOAT, [1, 1, kv * d]), vi("pk", ct, [1, kv, cap, d]), vi("pv", ct, [1, kv, cap, d]),
+              vi("seqlens", TensorProto.INT32, [1]), vi("total", TensorProto.INT32, [])]
+    if int8:
+        inputs += [vi("ks", TensorProto.FLOAT, [1, kv, 1, d]), vi("vs", TensorProto.FLOAT, [1, kv, 1, d])]
+    g = helper.make_graph([node], "g", inputs, [vi("o", TensorProto.FLOAT, None), vi("ck", ct, None), vi("cv", ct, None)])
     sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((1, 1, n * d)).astype(np.float32) for n in (heads, kv, kv))
-    pk, pv = (rng.standard_normal((1, kv, cap, d)).astype(np.float32) for _ in range(2))
-    feeds = {"q": q, "k": k, "v": v, "pk": pk, "pv": pv, "seqlens": np.array([p], np.int32), "total": np.array(p + 1, np.int32)}
+    feeds = {"q": q, "k": k, "v": v, "seqlens": np.array([p], np.int32), "total": np.array(p + 1, np.int32)}
+    if int8:
+        ks, vs = (rng.uniform(0.01, 0.03, (1, kv, 1, d)).astype(np.float32) for _ in range(2))
+        pk, pv = (rng.integers(-128, 128, (1, kv, cap, d), dtype=np.int8) for _ in range(2))
+        feeds.update(pk=pk, pv=pv, ks=ks, vs=vs)
+        new_k, new_v = (np.clip(np.rint(x.reshape(kv, d) / sc[0, :, 0]), -128, 127).astype(np.int8) for x, sc in ((k, ks), (v, vs)))
+    else:
+        pk, pv = (rng.standard_normal((1, kv, cap, d)).astype(np.float32) for _ in range(2))
+        feeds.update(pk=pk, pv=pv)
+        new_k, new_v = k.reshape(kv, d), v.reshape(kv, d)
     o, ck, cv = sess.run(None, feeds)
     K, V = pk[0].copy(), pv[0].copy()
-    K[:, p], V[:, p] = k.reshape(kv, d), v.reshape(kv, d)
+    K[:, p], V[:, p] = new_k, new_v
     np.testing.assert_array_equal(ck[0, :, p], K[:, p])
+    np.testing.assert_array_equal(cv[0, :, p], V[:, p])
+    if int8:
+        K, V = K * ks[0], V * vs[0]
+    group = heads // kv
     for h in range(heads):
-        s = K[h // 2, : p + 1] @ q.reshape(heads, d)[h] * 0.25
+        s = K[h // group, : p + 1].astype(np.float64) @ q.reshape(heads, d)[h] * 0.25
         w = np.exp(s - s.max())
-        np.testing.assert_allclose(o.reshape(heads, d)[h], (w / w.sum()) @ V[h // 2, : p + 1], rtol=1e-4, atol=1e-5)
-    q[0, 0, 3] = np.nan
+        np.testing.assert_allclose(o.reshape(heads, d)[h], (w / w.sum()) @ V[h // group, : p + 1], rtol=1e-4, atol=1e-5)
+    last = heads - 1  # in a group's last batch of heads
+    q[0, 0, last * d + 3] = np.nan
     o = sess.run(None, {**feeds, "q": q})[0].reshape(heads, d)
-    assert np.isnan(o[0]).all() and np.isfinite(o[1:]).all()
+    assert np.isnan(o[last]).all() and np.isfinite(o[:last]).all()
 
 
 @pytest.mark.parametrize("d,window", [(32, 0), (80, 0), (32, 30)])

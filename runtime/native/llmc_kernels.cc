@@ -474,62 +474,113 @@ const float* rows_as_float(const T* src, int64_t count, std::vector<float>& buf)
   }
 }
 
-// o[c0, c0 + CN * kNative) = sum over the n rows of w[r] * v's row r, summed in CN vector registers.
-template <int CN>
-inline void weighted_rows(const float* w, int64_t n, const float* v, int64_t d, int64_t c0, float* o) {
-  NVec acc[CN] = {};
-  for (int64_t r = 0; r < n; ++r) {
-    const NVec wr = nsplat(w[r]);
-#pragma GCC unroll 8
-    for (int x = 0; x < CN; ++x) acc[x] += wr * nload(v + r * d + c0 + x * kNative);
+// One row's decode attention reads each cached key and value row once for a batch of up to kHeadBatch query
+// heads of its group: a row is loaded (an int8 row widened) once, then multiplied into every head's sums, which
+// add in the same order as for one head at a time (the same results). kNative keys' dot products are kept per
+// head and lane-summed into one vector of scores; a value row's columns are kept in kRowVecs registers per head.
+constexpr int kHeadBatch = kNative == 16 ? 4 : 3;  // AVX: 3 heads x 4 vectors of output columns, 12 of 16 registers
+constexpr int kRowVecs = 4;                        // output columns per pass over a block's value rows: 4 vectors
+
+// s[h][first, first + kNative) = scale * q_h . k_i for the G heads from q on (rows d apart).
+template <int G, typename T>
+inline void score_keys(const float* q, const T* k, int64_t d, int64_t first, float scale, float (*s)[kPositions]) {
+  NVec a[G][kNative];
+  for (int64_t i = 0; i < kNative; ++i) {
+    const T* kr = k + (first + i) * d;
+    NVec acc[G] = {};
+    for (int64_t j = 0; j < d; j += kNative) {
+      const NVec kv = nload16(kr + j);
+#pragma GCC unroll 4
+      for (int h = 0; h < G; ++h) acc[h] += nload(q + h * d + j) * kv;
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) a[h][i] = acc[h];
   }
-#pragma GCC unroll 8
-  for (int x = 0; x < CN; ++x) nstore(o + c0 + x * kNative, acc[x]);
+  for (int h = 0; h < G; ++h) nstore(&s[h][first], lane_sums(a[h]) * scale);
 }
 
-constexpr int kRowVecs = kNative == 16 ? 4 : 8;  // weighted_rows' registers (AVX: 8 of 16, 64 columns)
+// o_h[c0, c0 + CN * kNative) = sum over the n rows r of w_h[r] * v's row r, for the G heads from w and o on
+// (head h's row of o at o + h * os).
+template <int G, int CN, typename T>
+inline void weighted_rows(const float (*w)[kPositions], int64_t n, const T* v, int64_t d, int64_t c0, float* o, int64_t os) {
+  NVec acc[G][CN] = {};
+  for (int64_t r = 0; r < n; ++r) {
+    NVec wr[G];
+#pragma GCC unroll 4
+    for (int h = 0; h < G; ++h) wr[h] = nsplat(w[h][r]);
+#pragma GCC unroll 4
+    for (int x = 0; x < CN; ++x) {
+      const NVec vx = nload16(v + r * d + c0 + x * kNative);
+#pragma GCC unroll 4
+      for (int h = 0; h < G; ++h) acc[h][x] += wr[h] * vx;
+    }
+  }
+  for (int h = 0; h < G; ++h)
+#pragma GCC unroll 4
+    for (int x = 0; x < CN; ++x) nstore(o + h * os + c0 + x * kNative, acc[h][x]);
+}
 
-// Task t: KV head t / blocks over the positions of block t % blocks, for each of its query heads: the
-// scores (each K row read once for the group), their e^(s - m) and sum, and the e-weighted sum of V rows.
+// The G heads from h0 of a block: scores of its n keys (whole kNative groups of them; the rest one by one),
+// then, with e^(s - m) in place of the scores, the e-weighted sums of its value rows into o (rows os apart).
+template <int G, typename T>
+void block_heads(const float* q, const T* k, const T* v, int64_t n, int64_t d, float scale, float (*s)[kPositions], float* o,
+                 int64_t os, bool values) {
+  if (!values) {
+    int64_t first = 0;
+    if (d % kNative == 0)
+      for (; first + kNative <= n; first += kNative) score_keys<G>(q, k, d, first, scale, s);
+    for (int64_t i = first; i < n; ++i)
+      for (int h = 0; h < G; ++h) {
+        const float* qh = q + h * d;
+        const T* kr = k + i * d;
+        float dot = 0.0f;
+        if (d % kNative == 0) {
+          NVec acc = {};
+          for (int64_t j = 0; j < d; j += kNative) acc += nload(qh + j) * nload16(kr + j);
+          dot = hsum(acc);
+        } else {
+          for (int64_t j = 0; j < d; ++j) dot += qh[j] * static_cast<float>(kr[j]);
+        }
+        s[h][i] = dot * scale;
+      }
+    return;
+  }
+  int64_t c0 = 0;
+  if (d % kNative == 0) {
+    for (; c0 + kRowVecs * kNative <= d; c0 += kRowVecs * kNative) weighted_rows<G, kRowVecs>(s, n, v, d, c0, o, os);
+    for (; c0 < d; c0 += kNative) weighted_rows<G, 1>(s, n, v, d, c0, o, os);
+  }
+  for (; c0 < d; ++c0)
+    for (int h = 0; h < G; ++h) {
+      float acc = 0.0f;
+      for (int64_t r = 0; r < n; ++r) acc += s[h][r] * static_cast<float>(v[r * d + c0]);
+      o[h * os + c0] = acc;
+    }
+}
+
+// block_heads for heads h0 .. h0 + g (g at most kHeadBatch), with g a template argument.
+template <typename T, int G = kHeadBatch>
+void heads_of_block(int64_t g, const float* q, const T* k, const T* v, int64_t n, int64_t d, float scale, float (*s)[kPositions],
+                    float* o, int64_t os, bool values) {
+  if constexpr (G > 1) {
+    if (g < G) return heads_of_block<T, G - 1>(g, q, k, v, n, d, scale, s, o, os, values);
+  }
+  block_heads<G>(q, k, v, n, d, scale, s, o, os, values);
+}
+
+// Task t: KV head t / blocks over the positions of block t % blocks, for each of its query heads: the scores,
+// their e^(s - m) and sum, and the e-weighted sum of V rows (unnormalised, per head and block in job.o).
 template <typename T>
 void attend_block(void* data, size_t t) {
   const AttentionJob<T>& job = *static_cast<const AttentionJob<T>*>(data);
   const int64_t g = static_cast<int64_t>(t) / job.blocks, b = static_cast<int64_t>(t) % job.blocks, d = job.d;
   const int64_t t0 = job.start + b * kPositions, n = std::min(job.total - t0, kPositions);
   alignas(64) float s[kMaxGroup][kPositions];
-  thread_local std::vector<float> kbuf, vbuf;
-  const float* kg = rows_as_float(job.k + (g * job.c + t0) * d, n * d, kbuf);
-  const float* vg = rows_as_float(job.v + (g * job.c + t0) * d, n * d, vbuf);
-  int64_t first = 0;
-  if (d % kNative == 0) {  // kNative positions at a time: their dot products' lane sums in one vector
-    for (; first + kNative <= n; first += kNative) {
-      for (int64_t h = 0; h < job.group; ++h) {
-        const float* q = job.q + (g * job.group + h) * d;
-        NVec a[kNative];
-        for (int64_t i = 0; i < kNative; ++i) {
-          const float* kr = kg + (first + i) * d;
-          NVec acc = {};
-          for (int64_t j = 0; j < d; j += kNative) acc += nload(q + j) * nload(kr + j);
-          a[i] = acc;
-        }
-        nstore(&s[h][first], lane_sums(a) * job.scale);
-      }
-    }
-  }
-  for (int64_t i = first; i < n; ++i) {
-    const float* kr = kg + i * d;
-    for (int64_t h = 0; h < job.group; ++h) {
-      const float* q = job.q + (g * job.group + h) * d;
-      float dot = 0.0f;
-      if (d % kNative == 0) {
-        NVec acc = {};
-        for (int64_t j = 0; j < d; j += kNative) acc += nload(q + j) * nload(kr + j);
-        dot = hsum(acc);
-      } else {
-        for (int64_t j = 0; j < d; ++j) dot += q[j] * kr[j];
-      }
-      s[h][i] = dot * job.scale;
-    }
+  const T* kg = job.k + (g * job.c + t0) * d;
+  const T* vg = job.v + (g * job.c + t0) * d;
+  for (int64_t h0 = 0; h0 < job.group; h0 += kHeadBatch) {
+    const int64_t heads = std::min<int64_t>(kHeadBatch, job.group - h0);
+    heads_of_block<T>(heads, job.q + (g * job.group + h0) * d, kg, vg, n, d, job.scale, s + h0, nullptr, 0, false);
   }
   for (int64_t h = 0; h < job.group; ++h) {
     const int64_t slot = (g * job.group + h) * job.blocks + b;
@@ -541,7 +592,6 @@ void attend_block(void* data, size_t t) {
     }
     if (nan) {
       job.m[slot] = job.l[slot] = NAN;
-      std::fill(job.o + slot * d, job.o + (slot + 1) * d, NAN);
       continue;
     }
     float sum = 0.0f;
@@ -557,19 +607,18 @@ void attend_block(void* data, size_t t) {
     }
     job.m[slot] = top;
     job.l[slot] = sum;
-    float* o = job.o + slot * d;
-    int64_t c0 = 0;
-    if (d % kNative == 0) {
-      for (; c0 + kRowVecs * kNative <= d; c0 += kRowVecs * kNative) weighted_rows<kRowVecs>(s[h], n, vg, d, c0, o);
-      for (; c0 < d; c0 += kNative) weighted_rows<1>(s[h], n, vg, d, c0, o);
+  }
+  for (int64_t h0 = 0; h0 < job.group; h0 += kHeadBatch) {
+    const int64_t heads = std::min<int64_t>(kHeadBatch, job.group - h0);
+    float* o = job.o + ((g * job.group + h0) * job.blocks + b) * d;  // the heads' rows are blocks * d apart
+    heads_of_block<T>(heads, nullptr, kg, vg, n, d, job.scale, s + h0, o, job.blocks * d, true);
+    for (int64_t h = 0; h < heads; ++h) {
+      float* oh = o + h * job.blocks * d;
+      if (job.m[(g * job.group + h0 + h) * job.blocks + b] != job.m[(g * job.group + h0 + h) * job.blocks + b])
+        std::fill(oh, oh + d, NAN);
+      else if (job.v_scale != nullptr)
+        for (int64_t j = 0; j < d; ++j) oh[j] *= job.v_scale[g * d + j];
     }
-    for (; c0 < d; ++c0) {
-      float acc = 0.0f;
-      for (int64_t r = 0; r < n; ++r) acc += s[h][r] * vg[r * d + c0];
-      o[c0] = acc;
-    }
-    if (job.v_scale != nullptr)
-      for (int64_t j = 0; j < d; ++j) o[j] *= job.v_scale[g * d + j];
   }
 }
 
