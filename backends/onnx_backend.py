@@ -41,9 +41,10 @@ BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for
                 float32 kernel for 8 bits: it would dequantize the whole matrix
                 per call); with llmc's native ops a one-row 4-bit instance without
                 float offsets is ai.llmc.BlockQMatMul(x, codes, scales[, zero
-                points]; K, N, block_size 32, digits D): MatMulNBits' int8
-                numerics, the input widened in the kernel (no Reshape, ReduceSum,
-                Concat)
+                points][, residual]; K, N, block_size 32, digits D): MatMulNBits'
+                int8 numerics, the input widened in the kernel (no Reshape,
+                ReduceSum, Concat), and a block's last projection adds the
+                residual stream (no Add)
 ShadowOutliers  Clip, Sub; a chunk in equal blocks of about 64 rows (Reshape; the
                 block count looked up by the row count when it is symbolic):
                 Abs, ReduceSum over each block's rows, TopK of its outlier
@@ -210,9 +211,13 @@ class _Builder:
             codes = [self.weight(qw), self.weight(n.weights["scales"])]
             if "zero_points" in n.weights:
                 codes.append(self.weight(n.weights["zero_points"]))
-            if self.native and self.rows == 1 and bits == 4 and block == BLOCK_Q_MATMUL and "offsets" not in n.weights:
+            if self.block_q_matmul(n):
                 # llmc's BlockQMatMul: MatMulNBits' one-row numerics (int8 activations per block), the input
-                # widened with its block sums inside the kernel
+                # widened with its block sums inside the kernel; the block's residual Add too (out: its result)
+                residual = self.residual_add(n)
+                if residual is not None:
+                    codes += [""] * (3 - len(codes)) + [residual[1]]
+                    out = [residual[0].outputs[0].name]
                 self.add("BlockQMatMul", [x[0], *codes], out, n.name, domain=NATIVE_DOMAIN, K=nb * block, N=out_f, block_size=block,
                          digits=digits)
             else:
@@ -253,8 +258,8 @@ class _Builder:
                 self.add("Mul", [x[0], f"{n.name}.sigmoid"], y, n.name)
             else:
                 self.add("Gelu", x, y, n.name, approximate="tanh" if a["kind"] == "gelu_tanh" else "none")
-        elif n.op == "Add" and self.added_by_correction(n):
-            pass  # a native correction adds it (see residual_add)
+        elif n.op == "Add" and self.added_by_native_op(n):
+            pass  # a native correction or BlockQMatMul adds it (see residual_add)
         elif n.op in ("Add", "Mul"):
             self.add(n.op, x, y, n.name)
         elif n.op == "Scale":
@@ -324,13 +329,24 @@ class _Builder:
             return None
         return f"{v.name}.codes" if made.op == "RMSNorm" or (made.op == "Mul" and self.swiglu(made) is not None) else None
 
-    def residual_add(self, shadow: Node) -> tuple[Node, str] | None:
-        """In a graph with llmc's native ops, for a correction whose one result only an Add of this graph reads (a
-        block's last projection into the residual stream): (that Add, its other input, of the same shape and made
-        before the correction), which the native correction adds itself; else None."""
-        if not self.native or len(shadow.outputs) != 1 or self.whole_source(shadow) is not None:
+    def block_q_matmul(self, n: Node) -> bool:
+        """Whether the BlockQLinear ``n`` lowers to llmc's native ``BlockQMatMul`` (one-row graphs with native
+        ops, 4-bit codes in blocks of 32, offsets folded into the codes)."""
+        a = n.attrs
+        return (self.native and self.rows == 1 and n.op == "BlockQLinear" and a["bits"] == 4 and a["block_size"] == BLOCK_Q_MATMUL
+                and "offsets" not in n.weights)
+
+    def residual_add(self, node: Node) -> tuple[Node, str] | None:
+        """In a graph with llmc's native ops, for a native correction or ``BlockQMatMul`` (without a bias) whose one
+        result only an Add of this graph reads (a block's last projection into the residual stream): (that Add,
+        its other input, of the same shape and made before the node), which the native op adds itself; else None."""
+        if not self.native or len(node.outputs) != 1:
             return None
-        v = shadow.outputs[0]
+        if node.op == "ShadowOutliers" and self.whole_source(node) is not None:
+            return None
+        if node.op == "BlockQLinear" and (not self.block_q_matmul(node) or "bias" in node.weights):
+            return None
+        v = node.outputs[0]
         if v.name in self.sub.outputs or len(v.uses) != 1:
             return None
         add, i = v.uses[0]
@@ -338,13 +354,13 @@ class _Builder:
             return None
         other = add.inputs[1 - i]
         made = other.producer
-        if other.shape != v.shape or (made is not None and made.name in self.members and self.order[made.name] > self.order[shadow.name]):
+        if other.shape != v.shape or (made is not None and made.name in self.members and self.order[made.name] > self.order[node.name]):
             return None
         return add, other.name
 
-    def added_by_correction(self, add: Node) -> bool:
-        """Whether a native correction of this graph adds ``add`` itself (:meth:`residual_add`)."""
-        return any(v.producer is not None and v.producer.op == "ShadowOutliers" and v.producer.name in self.members
+    def added_by_native_op(self, add: Node) -> bool:
+        """Whether a native correction or ``BlockQMatMul`` of this graph adds ``add`` itself (:meth:`residual_add`)."""
+        return any(v.producer is not None and v.producer.op in ("ShadowOutliers", "BlockQLinear") and v.producer.name in self.members
                    and (r := self.residual_add(v.producer)) is not None and r[0] is add for v in add.inputs)
 
     def columns_of(self, v: Value) -> tuple[str, int] | None:
@@ -658,16 +674,20 @@ class _DecodeBuilder(_Builder):
         """q/k/v ``[rows, F]`` -> ``[1, rows, F]``; rotary embedding in the attention node, or (partial rotary, other
         head sizes) by ONNX ``RotaryEmbedding`` at the position ``seqlens_k``; ``GroupQueryAttention`` over the
         layer's caches, a sliding window as its ``local_window_size`` (the same number: the tests check it against
-        HF's Mistral and the numpy kernel past the window)."""
+        HF's Mistral and the numpy kernel past the window). llmc's native attention takes ``[rows, F]`` as it is
+        (no Reshapes) when no ``RotaryEmbedding`` comes between."""
         a, p, kv = n.attrs, n.name, _kv_names(n.attrs["layer"])
         packed = self.packed(n)  # q, k and v are slices of one fused projection: the node takes it whole
         qkv = [packed] if packed is not None else x[:3]
         hd, kvd = a["num_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"]
-        for v, width in zip(qkv, [hd + 2 * kvd] if packed is not None else [hd, kvd, kvd]):
-            s3 = self.const(f"{v}.shape3", np.array([1, -1, width], np.int64))
-            self.add("Reshape", [v, s3], [f"{v}.bsd"], f"{v}.bsd")
-        qkv = [f"{v}.bsd" for v in qkv]
         rotary = ["rotary.cos_cache", "rotary.sin_cache"] if self.node_rotates(n) else []
+        native = self.native and attention_takes(a["num_heads"], a["num_kv_heads"], a["head_dim"], self.rows)
+        rows = native and (rotary or not a["rotary_dim"])  # the node takes and makes [rows, F]
+        if not rows:
+            for v, width in zip(qkv, [hd + 2 * kvd] if packed is not None else [hd, kvd, kvd]):
+                s3 = self.const(f"{v}.shape3", np.array([1, -1, width], np.int64))
+                self.add("Reshape", [v, s3], [f"{v}.bsd"], f"{v}.bsd")
+            qkv = [f"{v}.bsd" for v in qkv]
         if not rotary and a["rotary_dim"]:
             pos = self.position_ids()
             for i, heads in ((0, a["num_heads"]), (1, a["num_kv_heads"])):
@@ -681,7 +701,6 @@ class _DecodeBuilder(_Builder):
             attrs.update(do_rotary=1, rotary_interleaved=0)
         if a["sliding_window"]:
             attrs["local_window_size"] = int(a["sliding_window"])
-        native = self.native and attention_takes(a["num_heads"], a["num_kv_heads"], a["head_dim"], self.rows)
         if "k_scale" in n.weights:  # int8 cache, per-channel scales [1, kv, 1, d] (GroupQueryAttention's inputs 12, 13; native: 9, 10)
             shape = (1, a["num_kv_heads"], 1, a["head_dim"])
             scales = [self.const(f"{p}.{w}", np.asarray(self.graph.weights.load(n.weights[w].name), np.float32).reshape(shape))
@@ -693,10 +712,11 @@ class _DecodeBuilder(_Builder):
             # llmc's native op (--cpu-kernels native): GroupQueryAttention's inputs and attributes
             attrs.pop("rotary_interleaved", None)
             op = "DecodeAttentionInt8" if "k_scale" in n.weights else "DecodeAttention"
-            self.add(op, ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=NATIVE_DOMAIN, **attrs)
+            self.add(op, ins, [y[0] if rows else f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=NATIVE_DOMAIN, **attrs)
         else:
             self.add("GroupQueryAttention", ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=MS_DOMAIN, **attrs)
-        self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([-1, hd], np.int64))], y, f"{p}.rows")
+        if not rows:
+            self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([-1, hd], np.int64))], y, f"{p}.rows")
 
     def row_group(self, x: str) -> str:
         return "shadow.selected" if x in self.selected else "shadow"

@@ -304,6 +304,8 @@ def test_native_decode_attention_matches_the_stock_bundle(bundles, model_dirs, t
     assert "GroupQueryAttention" in _ops(bundles(family))[f"{m['decode_graph']}.r1"]
     # the gated MLPs' silu(gate) * up as one SwiGLU from the fused gate/up projection (gemma's and phi's MLPs are not silu-gated)
     assert ("SwiGLU" in ops) == (family in ("llama", "mistral", "qwen2")) and "Sigmoid" not in ops
+    # DecodeAttention takes the projection's [rows, F] as it is where no RotaryEmbedding comes between
+    assert ("Reshape" in ops) == ("RotaryEmbedding" in ops) == (family in ("gemma", "phi"))
     # the chunk instance (prefill, where the node rotates q and k) too, mistral's in its window (the stock bundle
     # has no chunk instance for a window)
     chunk_ops = _ops(out).get(f"{m['decode_graph']}.r{CHUNK}")
@@ -359,7 +361,8 @@ def test_native_decode_attention_over_an_int8_cache(model_dirs, calib_words, tmp
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_native_int4_bundle_decodes_with_block_q_matmul(model_dirs, tmp_path, native_kernels, family):
     """--weights int4: the one-row graphs' 4-bit projections are BlockQMatMul, which widens its input itself
-    (no Concat, Reshape or ReduceSum for the block sums), the chunk graphs keep MatMulNBits (float32 compute)
+    (no Concat, Reshape or ReduceSum for the block sums) and adds the residual stream after a block's last
+    projection (no Add), the chunk graphs keep MatMulNBits (float32 compute)
     and the 8-bit head its MatMulNBits; decode gives the stock bundle's logits (the same int8 activations),
     qwen2's q/k/v with their bias."""
     from llmc.compile import compile_model
@@ -373,7 +376,10 @@ def test_native_int4_bundle_decodes_with_block_q_matmul(model_dirs, tmp_path, na
     m = json.loads((out["native"] / "manifest.json").read_text())
     one_row = _nodes(out["native"], f"{m['decode_graph']}.r1")
     ops = [n.op_type for n in one_row]
-    assert ops.count("BlockQMatMul") == 8 and not {"Concat", "ReduceSum"} & set(ops)
+    assert ops.count("BlockQMatMul") == 8 and not {"Concat", "ReduceSum", "Reshape"} & set(ops)
+    # o_proj and down_proj add the residual stream themselves (2 layers): no Add but qwen2's q/k/v bias
+    assert sum(len(n.input) == 5 for n in one_row if n.op_type == "BlockQMatMul") == 4
+    assert ops.count("Add") == (2 if family == "qwen2" else 0)
     assert [next(a.i for a in n.attribute if a.name == "bits") for n in one_row if n.op_type == "MatMulNBits"] == [8]
     assert not any("BlockQMatMul" in o for inst, o in _ops(out["native"]).items() if not inst.endswith(".r1"))
     ids = [int(t) for t in np.random.default_rng(3).integers(4, 120, size=CHUNK + 12)]
@@ -429,33 +435,36 @@ def test_more_than_16_query_heads_per_kv_head_keep_group_query_attention(tmp_pat
                                                    "total": np.ones((), np.int32)})
 
 
-@pytest.mark.parametrize("d,heads,kv,int8", [(16, 4, 2, False), (80, 4, 2, False), (20, 4, 2, False), (16, 14, 2, False),
-                                           (80, 7, 1, True), (20, 5, 1, True), (16, 4, 2, True)])
-def test_decode_attention_against_numpy(native_kernels, d, heads, kv, int8):
+@pytest.mark.parametrize("d,heads,kv,int8,flat", [(16, 4, 2, False, False), (80, 4, 2, False, True), (20, 4, 2, False, False),
+                                                (16, 14, 2, False, False), (80, 7, 1, True, False), (20, 5, 1, True, True),
+                                                (16, 4, 2, True, False)])
+def test_decode_attention_against_numpy(native_kernels, d, heads, kv, int8, flat):
     """DecodeAttention (and DecodeAttentionInt8, int8 caches with per-channel scales) alone, q/k/v separate, no
     rotary, 300 positions (3 split-K blocks, a partial one): the new K/V row lands at seqlens_k (as its codes),
     the output is softmax(q k^T * scale) v per head over the group's KV head, and a NaN in one head's query
     makes that head's output NaN and no other's. Head sizes: whole vectors (16), whole vectors past the widest
     register block (80), and one the vector loops do not take (20). Groups of 2, 5, 7 query heads per KV head:
     the kernel reads a key or value row once for a batch of heads (3, or 4 with AVX-512), so some groups end in
-    a part-filled batch."""
+    a part-filled batch. flat: q, k, v and the output without the leading 1 ([rows, F], as the decode graph
+    feeds the projection's rows)."""
     from onnx import TensorProto, helper
 
     cap, p = 320, 299
+    lead = [] if flat else [1]
     vi = helper.make_tensor_value_info
     ct = TensorProto.INT8 if int8 else TensorProto.FLOAT
     names = ["q", "k", "v", "pk", "pv", "seqlens", "total"] + (["", "", "ks", "vs"] if int8 else [])
     node = helper.make_node("DecodeAttentionInt8" if int8 else "DecodeAttention", names, ["o", "ck", "cv"], domain="ai.llmc",
                             num_heads=heads, kv_num_heads=kv, scale=0.25)
-    inputs = [vi("q", TensorProto.FLOAT, [1, 1, heads * d]), vi("k", TensorProto.FLOAT, [1, 1, kv * d]),
-              vi("v", TensorProto.FLOAT, [1, 1, kv * d]), vi("pk", ct, [1, kv, cap, d]), vi("pv", ct, [1, kv, cap, d]),
+    inputs = [vi("q", TensorProto.FLOAT, lead + [1, heads * d]), vi("k", TensorProto.FLOAT, lead + [1, kv * d]),
+              vi("v", TensorProto.FLOAT, lead + [1, kv * d]), vi("pk", ct, [1, kv, cap, d]), vi("pv", ct, [1, kv, cap, d]),
               vi("seqlens", TensorProto.INT32, [1]), vi("total", TensorProto.INT32, [])]
     if int8:
         inputs += [vi("ks", TensorProto.FLOAT, [1, kv, 1, d]), vi("vs", TensorProto.FLOAT, [1, kv, 1, d])]
     g = helper.make_graph([node], "g", inputs, [vi("o", TensorProto.FLOAT, None), vi("ck", ct, None), vi("cv", ct, None)])
     sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
     rng = np.random.default_rng(2)
-    q, k, v = (rng.standard_normal((1, 1, n * d)).astype(np.float32) for n in (heads, kv, kv))
+    q, k, v = (rng.standard_normal((*lead, 1, n * d)).astype(np.float32) for n in (heads, kv, kv))
     feeds = {"q": q, "k": k, "v": v, "seqlens": np.array([p], np.int32), "total": np.array(p + 1, np.int32)}
     if int8:
         ks, vs = (rng.uniform(0.01, 0.03, (1, kv, 1, d)).astype(np.float32) for _ in range(2))
@@ -467,6 +476,7 @@ def test_decode_attention_against_numpy(native_kernels, d, heads, kv, int8):
         feeds.update(pk=pk, pv=pv)
         new_k, new_v = k.reshape(kv, d), v.reshape(kv, d)
     o, ck, cv = sess.run(None, feeds)
+    assert o.shape == (*lead, 1, heads * d)
     K, V = pk[0].copy(), pv[0].copy()
     K[:, p], V[:, p] = new_k, new_v
     np.testing.assert_array_equal(ck[0, :, p], K[:, p])
@@ -479,7 +489,7 @@ def test_decode_attention_against_numpy(native_kernels, d, heads, kv, int8):
         w = np.exp(s - s.max())
         np.testing.assert_allclose(o.reshape(heads, d)[h], (w / w.sum()) @ V[h // group, : p + 1], rtol=1e-4, atol=1e-5)
     last = heads - 1  # in a group's last batch of heads
-    q[0, 0, last * d + 3] = np.nan
+    q.reshape(-1)[last * d + 3] = np.nan
     o = sess.run(None, {**feeds, "q": q})[0].reshape(heads, d)
     assert np.isnan(o[last]).all() and np.isfinite(o[:last]).all()
 
@@ -557,12 +567,17 @@ def _block_q_model(op: str, k: int, n: int, x_width: int, weights: dict, digits:
     from onnx import TensorProto, helper, numpy_helper
 
     names = ["x", "codes", "scales"] + (["zero_points"] if "zero_points" in weights else [])
+    residual = attrs.pop("residual", False)
+    if residual:  # a graph input [rows, N], the op's input 4
+        names += [""] * (4 - len(names)) + ["residual"]
     if op == "MatMulNBits":
         node = helper.make_node(op, names, ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=32, accuracy_level=4)
     else:
         node = helper.make_node(op, names, ["y"], domain="ai.llmc", K=k, N=n, digits=digits, **{"block_size": 32, **attrs})
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, x_width])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, x_width])]
+    if residual:
+        inputs.append(helper.make_tensor_value_info("residual", TensorProto.FLOAT, [None, None]))  # any shape: the kernel checks it
+    g = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                           [numpy_helper.from_array(v, name) for name, v in weights.items()])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid("ai.llmc", 1)])
     m.ir_version = 10
@@ -610,6 +625,24 @@ def test_block_q_matmul_is_matmulnbits(native_kernels, k0, n, digits, zero_point
     weights = ((unpack_nibbles(w["codes"]).astype(np.float64) - z) * w["scales"].reshape(n, nb)[..., None]).reshape(n, k)
     exact = wide.astype(np.float64) @ weights.T
     assert np.abs(got - exact).max() < 2e-2 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("zero_points,rows", [(True, 2), (False, 1)])
+def test_block_q_matmul_adds_a_residual(native_kernels, zero_points, rows):
+    """With a residual (input 4, after the optional zero points), BlockQMatMul's result is its product plus
+    the residual, bit for bit as the Add it replaces; a residual of another shape is an error naming it."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    rng = np.random.default_rng(5)
+    n, k = 70, 576
+    w = _block_q_weights(rng, n, k // 32, zero_points)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    r = rng.standard_normal((rows, n)).astype(np.float32)
+    plain = _session(_block_q_model("BlockQMatMul", k, n, k, w, 0), native_kernels).run(None, {"x": x})[0]
+    sess = _session(_block_q_model("BlockQMatMul", k, n, k, w, 0, residual=True), native_kernels)
+    np.testing.assert_array_equal(sess.run(None, {"x": x, "residual": r})[0], plain + r)
+    with pytest.raises((Fail, InvalidArgument, RuntimeException), match="BlockQMatMul: residual must have the result's shape"):
+        sess.run(None, {"x": x, "residual": r[:, :-1]})
 
 
 _ASAN_SCRIPT = """

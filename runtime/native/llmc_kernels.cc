@@ -375,7 +375,8 @@ struct ShadowCorrectionOp : Ort::CustomOpBase<ShadowCorrectionOp, ShadowKernel> 
 //   (query, key?, value?, past_key, past_value, seqlens_k, total_sequence_length, cos_cache?, sin_cache?)
 //     -> (output [1, S, H*D], present_key, present_value)
 //
-// query is [1, S, H*D], or q/k/v packed [1, S, (H + 2*KV)*D] with key and value omitted; the caches are
+// query is [1, S, H*D], or q/k/v packed [1, S, (H + 2*KV)*D] with key and value omitted (or either without the
+// leading 1, [S, ...], and then the output is [S, H*D]: the backend's rows as they are); the caches are
 // [1, KV, C, D] float32, present bound to past's memory (else past is copied first); seqlens_k [1] is the
 // cache length after the rows minus one: the S rows land at positions p0 = seqlens_k - S + 1 to seqlens_k.
 // With do_rotary, q and k are rotated there (rotate-half, cos/sin [C, D/2]). A row at position p attends
@@ -476,7 +477,7 @@ const float* rows_as_float(const T* src, int64_t count, std::vector<float>& buf)
 
 // One row's decode attention reads each cached key and value row once for a batch of up to kHeadBatch query
 // heads of its group: a row is loaded (an int8 row widened) once, then multiplied into every head's sums, which
-// add in the same order as for one head at a time (the same results). kNative keys' dot products are kept per
+// add in the same order as for one head at a time. kNative keys' dot products are kept per
 // head and lane-summed into one vector of scores; a value row's columns are kept in kRowVecs registers per head.
 constexpr int kHeadBatch = kNative == 16 ? 4 : 3;  // AVX: 3 heads x 4 vectors of output columns, 12 of 16 registers
 constexpr int kRowVecs = 4;                        // output columns per pass over a block's value rows: 4 vectors
@@ -851,9 +852,12 @@ struct AttentionKernel {
     const int64_t c = cache[2], d = cache[3], hd = heads * d, kvd = kv_heads * d;
     const bool packed = !present(1);
     const std::vector<int64_t> qshape = query.GetTensorTypeAndShapeInfo().GetShape();
-    if (qshape.size() != 3 || qshape[0] != 1 || qshape[1] < 1 || qshape[2] != (packed ? hd + 2 * kvd : hd))
-      throw Ort::Exception("DecodeAttention: query must be [1, rows, num_heads * head_size] (or q, k, v packed)", ORT_INVALID_ARGUMENT);
-    const int64_t rows = qshape[1], width = qshape[2];
+    const bool batched = qshape.size() == 3;  // [1, rows, width] (GroupQueryAttention's), else [rows, width]
+    if ((qshape.size() != 2 && !(batched && qshape[0] == 1)) || qshape[qshape.size() - 2] < 1 ||
+        qshape.back() != (packed ? hd + 2 * kvd : hd))
+      throw Ort::Exception("DecodeAttention: query must be [1, rows, num_heads * head_size] or [rows, num_heads * head_size] (or q, k, v packed)",
+                           ORT_INVALID_ARGUMENT);
+    const int64_t rows = qshape[qshape.size() - 2], width = qshape.back();
     const int64_t p = seqlens.GetTensorData<int32_t>()[0], p0 = p + 1 - rows;  // the rows' positions: p0 .. p
     if (p0 < 0 || p >= c)
       throw Ort::Exception("DecodeAttention: the rows' positions (seqlens_k - rows + 1 to seqlens_k) are outside the cache's capacity",
@@ -893,7 +897,7 @@ struct AttentionKernel {
       k_scale = ctx.GetInput(9).GetTensorData<float>();
       v_scale = ctx.GetInput(10).GetTensorData<float>();
     }
-    Ort::UnownedValue out = ctx.GetOutput(0, std::vector<int64_t>{1, rows, hd});
+    Ort::UnownedValue out = ctx.GetOutput(0, batched ? std::vector<int64_t>{1, rows, hd} : std::vector<int64_t>{rows, hd});
     T* kc = ctx.GetOutput(1, cache).GetTensorMutableData<T>();
     T* vc = ctx.GetOutput(2, cache).GetTensorMutableData<T>();
     const size_t cache_size = static_cast<size_t>(kvd * c);
@@ -1196,8 +1200,8 @@ struct NormOp : CodesOp<NormOp, NormKernel> {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// BlockQMatMul(x[..., K0], codes[N, nb, 16], scales[N * nb], zero_points[N * ceil(nb / 2)]?; K, N, block_size,
-//              digits?) -> y[..., N]
+// BlockQMatMul(x[..., K0], codes[N, nb, 16], scales[N * nb], zero_points[N * ceil(nb / 2)]?, residual[..., N]?;
+//              K, N, block_size, digits?) -> y[..., N]
 //
 // ONNX Runtime's MatMulNBits for 4-bit codes in blocks of 32 inputs with int8 activations (accuracy_level 4),
 // for the rows of a decode step: y[n] = sum over blocks b of scale[n, b] * (codes[n, b] - z[n, b]) . x_b,
@@ -1205,7 +1209,8 @@ struct NormOp : CodesOp<NormOp, NormKernel> {
 // z the 4-bit zero point (two a byte, the low nibble first; 8 when there are none). codes hold two inputs a
 // byte, the even one in the low nibble. With digits D (fold_block_offsets) x is widened first, as the
 // backend's Concat widens it for MatMulNBits: [x, P, ..., P] with D copies of P, x's sums over its blocks
-// of 32 zero-padded to whole blocks, so that K = K0 + D * len(P).
+// of 32 zero-padded to whole blocks, so that K = K0 + D * len(P). With residual, y is that plus residual (a
+// block's last projection adding into the residual stream, so that the Add is not an op of its own).
 //
 // Each row of x is widened and quantized once. Its int8 entries are stored in the codes' order: blocks in
 // pairs, the even inputs of both blocks, then their odd ones, so that one 32-byte load of two blocks' codes
@@ -1283,6 +1288,7 @@ struct MatVecJob {
   const uint8_t* codes;
   const float* scales;
   const uint8_t* zero_points;  // may be null: 8
+  const float* residual;  // may be null: added to the row's result (the residual stream)
   float* y;
   int64_t n, nb, zero_stride;
   int64_t whole;  // the columns before it may sum their last group whole (see BlockQMatMul)
@@ -1369,7 +1375,10 @@ float column(const MatVecJob& job, int64_t col) {
 void matvec_task(void* data, size_t t) {
   const MatVecJob& job = *static_cast<const MatVecJob*>(data);
   const int64_t c0 = static_cast<int64_t>(t) * kMatVecColumns, c1 = std::min(job.n, c0 + kMatVecColumns);
-  for (int64_t c = c0; c < c1; ++c) job.y[c] = column(job, c);
+  if (job.residual == nullptr)
+    for (int64_t c = c0; c < c1; ++c) job.y[c] = column(job, c);
+  else
+    for (int64_t c = c0; c < c1; ++c) job.y[c] = column(job, c) + job.residual[c];
 }
 
 // The columns at the end of a matrix of columns `stride` long that a read `over` past a column's end may leave it.
@@ -1392,6 +1401,7 @@ struct MatVecKernel {
     Ort::KernelContext ctx(context);
     Ort::ConstValue x = ctx.GetInput(0), codes = ctx.GetInput(1), scales = ctx.GetInput(2);
     const OrtValue* zp_value = ctx.GetInputCount() > 3 ? static_cast<const OrtValue*>(ctx.GetInput(3)) : nullptr;
+    const OrtValue* residual = ctx.GetInputCount() > 4 ? static_cast<const OrtValue*>(ctx.GetInput(4)) : nullptr;
     std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
     const int64_t nb = k / kQBlock;
     const int64_t k0 = shape.empty() ? -1 : shape.back();
@@ -1407,6 +1417,8 @@ struct MatVecKernel {
                            ORT_INVALID_ARGUMENT);
     const int64_t rows = leading_rows(shape);
     shape.back() = n;
+    if (residual != nullptr && Ort::ConstValue{residual}.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(rows * n))
+      throw Ort::Exception("BlockQMatMul: residual must have the result's shape [..., N]", ORT_INVALID_ARGUMENT);
     Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
     thread_local QuantizedRow row;  // this thread's buffers, kept across calls (a decode step makes one a projection)
     thread_local std::vector<float> wide;
@@ -1416,11 +1428,13 @@ struct MatVecKernel {
     const int64_t reach = matvec_groups(nb) * kGroupBlocks;
     const int64_t whole = n - columns_past(reach - nb, nb);
     MatVecJob job{&row, codes.GetTensorData<uint8_t>(), scales.GetTensorData<float>(),
-                  zp_value != nullptr ? Ort::ConstValue{zp_value}.GetTensorData<uint8_t>() : nullptr, nullptr, n, nb, zero_stride, whole};
+                  zp_value != nullptr ? Ort::ConstValue{zp_value}.GetTensorData<uint8_t>() : nullptr, nullptr, nullptr, n, nb, zero_stride,
+                  whole};
     const size_t tasks = static_cast<size_t>((n + kMatVecColumns - 1) / kMatVecColumns);
     for (int64_t r = 0; r < rows; ++r) {
       quantize_blocks(x.GetTensorData<float>() + r * k0, k0, digits, nb, row, wide);
       job.y = y.GetTensorMutableData<float>() + r * n;
+      job.residual = residual != nullptr ? Ort::ConstValue{residual}.GetTensorData<float>() + r * n : nullptr;
       if (tasks > 1 && static_cast<size_t>(n * k) >= kParallelWork)
         ctx.ParallelFor(matvec_task, tasks, 0, &job);
       else
@@ -1433,12 +1447,12 @@ struct MatVecOp : Ort::CustomOpBase<MatVecOp, MatVecKernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new MatVecKernel(api, info); }
   const char* GetName() const { return "BlockQMatMul"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 4; }
+  size_t GetInputTypeCount() const { return 5; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 0 || i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    return i == 0 || i == 2 || i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
-    return i == 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+    return i >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
