@@ -20,8 +20,11 @@ from llmc.runtime.errors import BundleError
 # special_tokens; a runtime that reads only 1 refuses such bundles instead of failing inside them.
 # 3: W8A8 weights are int8 (zero point 0), not uint8 + 128; a runtime before 3 would run them on
 # u8 x s8 kernels that saturate on x86 CPUs without VNNI (llmc.runtime.cpu), so it refuses them.
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: a --cpu-kernels native decode graph may feed ai.llmc.DecodeAttention [rows, F] (no leading 1) and give
+# ai.llmc.BlockQMatMul a residual input; a runtime before 4 builds a kernel library that takes neither, so it
+# refuses them instead of failing when ONNX Runtime loads or runs the graph.
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 
 

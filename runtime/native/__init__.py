@@ -8,13 +8,15 @@ The library (``llmc_kernels.cc``, domain ``ai.llmc``) holds:
 - ``ShadowCorrection``'s weight table may be float16 (``--cpu-kernels native`` stores it so).
 - ``DecodeAttention`` and ``DecodeAttentionInt8``: the decode graph's attention over its bound KV cache
   (float32, or int8 codes with per-channel scales), with ``GroupQueryAttention``'s inputs: one row, and
-  a chunk of rows (causal, in a sliding window where the model has one).
+  a chunk of rows (causal, in a sliding window where the model has one); the query may be the projection's
+  ``[rows, F]`` as it is (no Reshapes).
 - ``SwiGLU``: a gated MLP's ``silu(gate) * up`` from the gate/up projection's one result.
 - ``RMSNorm``: ONNX ``RMSNormalization``. It and SwiGLU may also write their result's uint8 codes for the W8A8
   projection that reads it (as ``QuantizeLinear`` computes them); ``ShadowCorrection`` may add the residual
   stream. These fusions spare the graphs an Add and a QuantizeLinear per norm.
 - ``BlockQMatMul``: ``MatMulNBits`` (4-bit codes in blocks of 32, int8 activations per block) for the one-row
-  graphs of int4 bundles, widening its input with the block sums of folded offsets itself.
+  graphs of int4 bundles, widening its input with the block sums of folded offsets itself; a block's last
+  projection adds the residual stream too (no Add).
 
 Bundles compiled with ``--cpu-kernels native`` use these ops, and their sessions load the library.
 
