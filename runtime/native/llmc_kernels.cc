@@ -739,6 +739,48 @@ inline void group_values(const float (*p)[kKeyBlock], int64_t kn, const float* v
     for (int x = 0; x < CN; ++x) nstore(acc[r] + c0 + x * kNative, o[r][x]);
 }
 
+#if defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+
+// r[i] becomes column i of the 8 x 8 matrix whose rows r holds.
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // rows 4i..4i+3: columns 0, 1, 2, 3 (and 4..7 in the upper halves)
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2f128_ps(u[i], u[4 + i], 0x31);
+  }
+}
+#endif
+
+// kt[j][x] = key row x's entry j for the block's kn rows from k on, zero for x in [kn, kKeyBlock): 8 x 8 tiles
+// (with AVX2; d is a multiple of kHeadStep in a chunk), else one entry at a time.
+template <typename T>
+void transpose_keys(const T* k, int64_t kn, int64_t d, float* kt) {
+#if defined(__AVX2__)
+  for (int64_t x0 = 0; x0 < kKeyBlock; x0 += 8)
+    for (int64_t j0 = 0; j0 < d; j0 += 8) {
+      __m256 r[8];
+      for (int64_t i = 0; i < 8; ++i) r[i] = x0 + i < kn ? load8(k + (x0 + i) * d + j0) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (j0 + i) * kKeyBlock + x0, r[i]);
+    }
+#else
+  for (int64_t x = 0; x < kKeyBlock; ++x)
+    for (int64_t j = 0; j < d; ++j) kt[j * kKeyBlock + x] = x < kn ? static_cast<float>(k[x * d + j]) : 0.0f;
+#endif
+}
+
 template <typename T>
 void attend_chunk(void* data, size_t t) {
   const ChunkJob<T>& job = *static_cast<const ChunkJob<T>*>(data);
@@ -755,8 +797,7 @@ void attend_chunk(void* data, size_t t) {
   const int64_t last = job.p0 + i1 - 1, first = job.window > 0 ? std::max<int64_t>(0, job.p0 + i0 + 1 - job.window) : 0;
   for (int64_t k0 = first; k0 <= last; k0 += kKeyBlock) {
     const int64_t kn = std::min(kKeyBlock, last + 1 - k0);
-    for (int64_t x = 0; x < kKeyBlock; ++x)  // the keys transposed, zero past the block's end
-      for (int64_t j = 0; j < d; ++j) kt[j * kKeyBlock + x] = x < kn ? static_cast<float>(kg[(k0 + x) * d + j]) : 0.0f;
+    transpose_keys(kg + k0 * d, kn, d, kt.data());
     const float* vb = rows_as_float(vg + k0 * d, kn * d, vf);
     for (int64_t r0 = 0; r0 < n; r0 += kRowGroup) {
       const float* qs[kRowGroup];
