@@ -41,10 +41,11 @@ BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for
                 float32 kernel for 8 bits: it would dequantize the whole matrix
                 per call); with llmc's native ops a one-row 4-bit instance without
                 float offsets is ai.llmc.BlockQMatMul(x, codes, scales[, zero
-                points][, residual]; K, N, block_size 32, digits D): MatMulNBits'
-                int8 numerics, the input widened in the kernel (no Reshape,
-                ReduceSum, Concat), and a block's last projection adds the
-                residual stream (no Add)
+                points][, residual][, norm]; K, N, block_size 32, digits D[,
+                epsilon]): MatMulNBits' int8 numerics, the input widened in the
+                kernel (no Reshape, ReduceSum, Concat); a block's last projection
+                adds the residual stream (no Add) and its first ones apply the RMS
+                norm that only they read (no RMSNormalization)
 ShadowOutliers  Clip, Sub; a chunk in equal blocks of about 64 rows (Reshape; the
                 block count looked up by the row count when it is symbolic):
                 Abs, ReduceSum over each block's rows, TopK of its outlier
@@ -128,6 +129,7 @@ class _Builder:
         self.consts: list[Any] = []
         self.used_weights: list[str] = []
         self.made_once: set[str] = set()  # values made once per graph (block sums, the decode position)
+        self.norm_weights: dict[str, str] = {}  # RMSNorms done inside the BlockQMatMuls that read them: their weight
         self.scalar_weights: set[str] = set()  # one-element weights used as per-tensor quantization scales
         self.extra_inputs: list[Any] = []  # graph inputs and outputs beyond the subgraph's values (the decode graph's caches)
         self.extra_outputs: list[Any] = []
@@ -218,8 +220,12 @@ class _Builder:
                 if residual is not None:
                     codes += [""] * (3 - len(codes)) + [residual[1]]
                     out = [residual[0].outputs[0].name]
-                self.add("BlockQMatMul", [x[0], *codes], out, n.name, domain=NATIVE_DOMAIN, K=nb * block, N=out_f, block_size=block,
-                         digits=digits)
+                norm, xin, attrs = n.inputs[0].producer, x[0], {}
+                if norm is not None and norm.name in self.norm_weights:  # the RMS norm before it, in the kernel
+                    codes += [""] * (4 - len(codes)) + [self.norm_weights[norm.name]]
+                    xin, attrs = norm.inputs[0].name, {"epsilon": float(norm.attrs["eps"])}
+                self.add("BlockQMatMul", [xin, *codes], out, n.name, domain=NATIVE_DOMAIN, K=nb * block, N=out_f, block_size=block,
+                         digits=digits, **attrs)
             else:
                 xin = self.widened(x[0], block, digits) if digits else x[0]
                 self.add("MatMulNBits", [xin, *codes], [f"{n.name}.codes"] if "offsets" in n.weights else out, n.name, domain=MS_DOMAIN,
@@ -234,7 +240,9 @@ class _Builder:
                 off = self.const(f"{n.name}.offset", np.array(a["offset"], np.float32))
                 self.add("Add", [w, off], [f"{n.name}.scale"], f"{n.name}.scale")
                 w = f"{n.name}.scale"
-            if (quant := self.quantized_by(n.outputs[0])) is not None:
+            if self.normed_in_block_q_matmul(n):
+                self.norm_weights[n.name] = w  # each BlockQMatMul reading the norm normalises its input itself
+            elif (quant := self.quantized_by(n.outputs[0])) is not None:
                 self.add("RMSNorm", x + [w], y + [self.codes_of(n.outputs[0])], f"{n.name}.native", domain=NATIVE_DOMAIN,
                          epsilon=float(a["eps"]), scale=quant[0], zero_point=quant[1])
             else:
@@ -335,6 +343,15 @@ class _Builder:
         a = n.attrs
         return (self.native and self.rows == 1 and n.op == "BlockQLinear" and a["bits"] == 4 and a["block_size"] == BLOCK_Q_MATMUL
                 and "offsets" not in n.weights)
+
+    def normed_in_block_q_matmul(self, norm: Node) -> bool:
+        """Whether the RMSNorm ``norm`` of a graph with llmc's native ops is done by the BlockQMatMuls that read its
+        result (an optional input of theirs): every reader of it is one, in this graph, and no graph output or
+        W8A8 projection needs the normalised values themselves."""
+        v = norm.outputs[0]
+        if not self.native or v.name in self.sub.outputs or not v.uses or self.quantized_by(v) is not None:
+            return False
+        return all(u.name in self.members and i == 0 and self.block_q_matmul(u) for u, i in v.uses)
 
     def residual_add(self, node: Node) -> tuple[Node, str] | None:
         """In a graph with llmc's native ops, for a native correction or ``BlockQMatMul`` (without a bias) whose one

@@ -21,7 +21,7 @@ from llmc.runtime.errors import BundleError
 # 3: W8A8 weights are int8 (zero point 0), not uint8 + 128; a runtime before 3 would run them on
 # u8 x s8 kernels that saturate on x86 CPUs without VNNI (llmc.runtime.cpu), so it refuses them.
 # 4: a --cpu-kernels native decode graph may feed ai.llmc.DecodeAttention [rows, F] (no leading 1) and give
-# ai.llmc.BlockQMatMul a residual input; a runtime before 4 builds a kernel library that takes neither, so it
+# ai.llmc.BlockQMatMul residual and norm inputs; a runtime before 4 builds a kernel library that takes none, so it
 # refuses them instead of failing when ONNX Runtime loads or runs the graph.
 SCHEMA_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)

@@ -361,8 +361,8 @@ def test_native_decode_attention_over_an_int8_cache(model_dirs, calib_words, tmp
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_native_int4_bundle_decodes_with_block_q_matmul(model_dirs, tmp_path, native_kernels, family):
     """--weights int4: the one-row graphs' 4-bit projections are BlockQMatMul, which widens its input itself
-    (no Concat, Reshape or ReduceSum for the block sums) and adds the residual stream after a block's last
-    projection (no Add), the chunk graphs keep MatMulNBits (float32 compute)
+    (no Concat, Reshape or ReduceSum for the block sums), adds the residual stream after a block's last
+    projection (no Add) and does the RMS norm before its first ones (no RMSNormalization), the chunk graphs keep MatMulNBits (float32 compute)
     and the 8-bit head its MatMulNBits; decode gives the stock bundle's logits (the same int8 activations),
     qwen2's q/k/v with their bias."""
     from llmc.compile import compile_model
@@ -380,6 +380,8 @@ def test_native_int4_bundle_decodes_with_block_q_matmul(model_dirs, tmp_path, na
     # o_proj and down_proj add the residual stream themselves (2 layers): no Add but qwen2's q/k/v bias
     assert sum(len(n.input) == 5 for n in one_row if n.op_type == "BlockQMatMul") == 4
     assert ops.count("Add") == (2 if family == "qwen2" else 0)
+    # ... and q/k/v and gate/up normalise their input themselves: the only RMSNormalization is the head's
+    assert sum(len(n.input) == 6 for n in one_row if n.op_type == "BlockQMatMul") == 4 and ops.count("RMSNormalization") == 1
     assert [next(a.i for a in n.attribute if a.name == "bits") for n in one_row if n.op_type == "MatMulNBits"] == [8]
     assert not any("BlockQMatMul" in o for inst, o in _ops(out["native"]).items() if not inst.endswith(".r1"))
     ids = [int(t) for t in np.random.default_rng(3).integers(4, 120, size=CHUNK + 12)]
@@ -570,6 +572,8 @@ def _block_q_model(op: str, k: int, n: int, x_width: int, weights: dict, digits:
     residual = attrs.pop("residual", False)
     if residual:  # a graph input [rows, N], the op's input 4
         names += [""] * (4 - len(names)) + ["residual"]
+    if "norm" in weights:  # the RMS norm's weight, input 5 (with the attribute epsilon)
+        names += [""] * (5 - len(names)) + ["norm"]
     if op == "MatMulNBits":
         node = helper.make_node(op, names, ["y"], domain="com.microsoft", K=k, N=n, bits=4, block_size=32, accuracy_level=4)
     else:
@@ -643,6 +647,35 @@ def test_block_q_matmul_adds_a_residual(native_kernels, zero_points, rows):
     np.testing.assert_array_equal(sess.run(None, {"x": x, "residual": r})[0], plain + r)
     with pytest.raises((Fail, InvalidArgument, RuntimeException), match="BlockQMatMul: residual must have the result's shape"):
         sess.run(None, {"x": x, "residual": r[:, :-1]})
+
+
+def test_block_q_matmul_normalises_its_input(native_kernels):
+    """With a norm weight (input 5) and epsilon, BlockQMatMul computes what llmc's RMSNorm followed by
+    BlockQMatMul computes, bit for bit, over rows of a width not in whole vectors of 16; a norm of another
+    width is an error naming it."""
+    from onnx import TensorProto, helper
+
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    rng = np.random.default_rng(6)
+    n, k0, digits = 40, 96, 1
+    from llmc.ops import folded_blocks
+
+    k = folded_blocks(k0, 32, digits) * 32
+    w = _block_q_weights(rng, n, k // 32, True)
+    g = rng.uniform(0.5, 2.0, k0).astype(np.float32)
+    x = (rng.standard_normal((3, k0)) * 4).astype(np.float32)
+    norm = helper.make_node("RMSNorm", ["x", "g"], ["xn"], domain="ai.llmc", epsilon=0.5)
+    graph = helper.make_graph([norm], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k0]),
+                                            helper.make_tensor_value_info("g", TensorProto.FLOAT, [k0])],
+                              [helper.make_tensor_value_info("xn", TensorProto.FLOAT, None)])
+    xn = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]),
+                  native_kernels).run(None, {"x": x, "g": g})[0]
+    two_ops = _session(_block_q_model("BlockQMatMul", k, n, k0, w, digits), native_kernels).run(None, {"x": xn})[0]
+    fused = _session(_block_q_model("BlockQMatMul", k, n, k0, {**w, "norm": g}, digits, epsilon=0.5), native_kernels)
+    np.testing.assert_array_equal(fused.run(None, {"x": x})[0], two_ops)
+    with pytest.raises((Fail, InvalidArgument, RuntimeException), match="BlockQMatMul: norm .* must be \\[K0\\]"):
+        _session(_block_q_model("BlockQMatMul", k, n, k0, {**w, "norm": g[:-1]}, digits, epsilon=0.5), native_kernels).run(None, {"x": x})
 
 
 _ASAN_SCRIPT = """

@@ -16,7 +16,7 @@ The library (``llmc_kernels.cc``, domain ``ai.llmc``) holds:
   stream. These fusions spare the graphs an Add and a QuantizeLinear per norm.
 - ``BlockQMatMul``: ``MatMulNBits`` (4-bit codes in blocks of 32, int8 activations per block) for the one-row
   graphs of int4 bundles, widening its input with the block sums of folded offsets itself; a block's last
-  projection adds the residual stream too (no Add).
+  projection adds the residual stream too (no Add), and its first ones do the RMS norm before them.
 
 Bundles compiled with ``--cpu-kernels native`` use these ops, and their sessions load the library.
 

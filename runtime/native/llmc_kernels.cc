@@ -385,6 +385,16 @@ struct ShadowCorrectionOp : Ort::CustomOpBase<ShadowCorrectionOp, ShadowKernel> 
 // terms and weighted V rows, which one pass over the tasks' maxima and sums then merges (as split-K
 // "flash decoding" does). More rows (a prompt's chunk): attend_chunk below.
 
+// An optional float attribute, through the C API: no exception where it is absent.
+float float_attribute_or(const OrtKernelInfo* info, const char* name, float fallback) {
+  float value = fallback;
+  if (OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_float(info, name, &value)) {
+    Ort::GetApi().ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
+}
+
 int64_t attribute_or(const Ort::ConstKernelInfo& ki, const char* name, int64_t fallback) {
   try {
     return ki.GetAttribute<int64_t>(name);
@@ -1193,20 +1203,24 @@ struct NormJob {
   float epsilon;
 };
 
+// y = x / sqrt(mean(x^2) + epsilon) * weight over one row of n (RMSNorm, and BlockQMatMul's optional norm).
+void rms_row(const float* x, const float* weight, int64_t n, float epsilon, float* y) {
+  NVec acc = {};
+  int64_t j = 0;
+  for (; j + kNative <= n; j += kNative) acc += nload(x + j) * nload(x + j);
+  float squares = hsum(acc);
+  for (; j < n; ++j) squares += x[j] * x[j];
+  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + epsilon);
+  for (j = 0; j + kNative <= n; j += kNative) nstore(y + j, nload(x + j) * inv * nload(weight + j));
+  for (; j < n; ++j) y[j] = x[j] * inv * weight[j];
+}
+
 void norm_rows(void* data, size_t t) {
   const NormJob& job = *static_cast<const NormJob*>(data);
   const int64_t r0 = static_cast<int64_t>(t) * job.per, r1 = std::min(job.rows, r0 + job.per), n = job.n;
   for (int64_t r = r0; r < r1; ++r) {
-    const float* x = job.x + r * n;
     float* y = job.y + r * n;
-    NVec acc = {};
-    int64_t j = 0;
-    for (; j + kNative <= n; j += kNative) acc += nload(x + j) * nload(x + j);
-    float squares = hsum(acc);
-    for (; j < n; ++j) squares += x[j] * x[j];
-    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + job.epsilon);
-    for (j = 0; j + kNative <= n; j += kNative) nstore(y + j, nload(x + j) * inv * nload(job.weight + j));
-    for (; j < n; ++j) y[j] = x[j] * inv * job.weight[j];
+    rms_row(job.x + r * n, job.weight, n, job.epsilon, y);
     if (job.codes != nullptr) quantize_row(y, n, job.quant, job.codes + r * n);
   }
 }
@@ -1241,8 +1255,8 @@ struct NormOp : CodesOp<NormOp, NormKernel> {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// BlockQMatMul(x[..., K0], codes[N, nb, 16], scales[N * nb], zero_points[N * ceil(nb / 2)]?, residual[..., N]?;
-//              K, N, block_size, digits?) -> y[..., N]
+// BlockQMatMul(x[..., K0], codes[N, nb, 16], scales[N * nb], zero_points[N * ceil(nb / 2)]?, residual[..., N]?,
+//              norm[K0]?; K, N, block_size, digits?, epsilon?) -> y[..., N]
 //
 // ONNX Runtime's MatMulNBits for 4-bit codes in blocks of 32 inputs with int8 activations (accuracy_level 4),
 // for the rows of a decode step: y[n] = sum over blocks b of scale[n, b] * (codes[n, b] - z[n, b]) . x_b,
@@ -1251,7 +1265,9 @@ struct NormOp : CodesOp<NormOp, NormKernel> {
 // byte, the even one in the low nibble. With digits D (fold_block_offsets) x is widened first, as the
 // backend's Concat widens it for MatMulNBits: [x, P, ..., P] with D copies of P, x's sums over its blocks
 // of 32 zero-padded to whole blocks, so that K = K0 + D * len(P). With residual, y is that plus residual (a
-// block's last projection adding into the residual stream, so that the Add is not an op of its own).
+// block's last projection adding into the residual stream, so that the Add is not an op of its own). With norm,
+// x is first RMS-normalised, x / sqrt(mean(x^2) + epsilon) * norm, as RMSNorm computes it (the norm before a
+// block's first projection, so that it is not an op of its own).
 //
 // Each row of x is widened and quantized once. Its int8 entries are stored in the codes' order: blocks in
 // pairs, the even inputs of both blocks, then their odd ones, so that one 32-byte load of two blocks' codes
@@ -1427,12 +1443,14 @@ inline int64_t columns_past(int64_t over, int64_t stride) { return (over + strid
 
 struct MatVecKernel {
   int64_t k, n, digits;
+  float epsilon = 0.0f;
 
   MatVecKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     k = ki.GetAttribute<int64_t>("K");
     n = ki.GetAttribute<int64_t>("N");
     digits = attribute_or(ki, "digits", 0);
+    epsilon = float_attribute_or(info, "epsilon", 0.0f);  // the optional norm's
     if (attribute_or(ki, "block_size", kQBlock) != kQBlock || k <= 0 || k % kQBlock != 0 || n <= 0 || digits < 0)
       throw Ort::Exception("BlockQMatMul: block_size must be 32, K a positive multiple of it, N positive and digits >= 0",
                            ORT_INVALID_ARGUMENT);
@@ -1443,6 +1461,7 @@ struct MatVecKernel {
     Ort::ConstValue x = ctx.GetInput(0), codes = ctx.GetInput(1), scales = ctx.GetInput(2);
     const OrtValue* zp_value = ctx.GetInputCount() > 3 ? static_cast<const OrtValue*>(ctx.GetInput(3)) : nullptr;
     const OrtValue* residual = ctx.GetInputCount() > 4 ? static_cast<const OrtValue*>(ctx.GetInput(4)) : nullptr;
+    const OrtValue* norm = ctx.GetInputCount() > 5 ? static_cast<const OrtValue*>(ctx.GetInput(5)) : nullptr;
     std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
     const int64_t nb = k / kQBlock;
     const int64_t k0 = shape.empty() ? -1 : shape.back();
@@ -1456,13 +1475,15 @@ struct MatVecKernel {
         (zp_value != nullptr && Ort::ConstValue{zp_value}.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n * zero_stride)))
       throw Ort::Exception("BlockQMatMul: codes must be [N, K / 32, 16], scales [N * K / 32] and zero_points [N * ceil(K / 64)]",
                            ORT_INVALID_ARGUMENT);
+    if (norm != nullptr && Ort::ConstValue{norm}.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(k0))
+      throw Ort::Exception("BlockQMatMul: norm (the RMS norm's weight) must be [K0], x's width", ORT_INVALID_ARGUMENT);
     const int64_t rows = leading_rows(shape);
     shape.back() = n;
     if (residual != nullptr && Ort::ConstValue{residual}.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(rows * n))
       throw Ort::Exception("BlockQMatMul: residual must have the result's shape [..., N]", ORT_INVALID_ARGUMENT);
     Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
     thread_local QuantizedRow row;  // this thread's buffers, kept across calls (a decode step makes one a projection)
-    thread_local std::vector<float> wide;
+    thread_local std::vector<float> wide, normed;
     // the columns whose last group, read whole, stays inside the codes and scales: a column reaches reach - nb
     // blocks past its own nb. (Its zero points reach reach / 2 - ceil(nb / 2) bytes past its own ceil(nb / 2), no
     // more columns.)
@@ -1473,7 +1494,13 @@ struct MatVecKernel {
                   whole};
     const size_t tasks = static_cast<size_t>((n + kMatVecColumns - 1) / kMatVecColumns);
     for (int64_t r = 0; r < rows; ++r) {
-      quantize_blocks(x.GetTensorData<float>() + r * k0, k0, digits, nb, row, wide);
+      const float* xr = x.GetTensorData<float>() + r * k0;
+      if (norm != nullptr) {
+        normed.resize(static_cast<size_t>(k0));
+        rms_row(xr, Ort::ConstValue{norm}.GetTensorData<float>(), k0, epsilon, normed.data());
+        xr = normed.data();
+      }
+      quantize_blocks(xr, k0, digits, nb, row, wide);
       job.y = y.GetTensorMutableData<float>() + r * n;
       job.residual = residual != nullptr ? Ort::ConstValue{residual}.GetTensorData<float>() + r * n : nullptr;
       if (tasks > 1 && static_cast<size_t>(n * k) >= kParallelWork)
@@ -1488,9 +1515,9 @@ struct MatVecOp : Ort::CustomOpBase<MatVecOp, MatVecKernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new MatVecKernel(api, info); }
   const char* GetName() const { return "BlockQMatMul"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 5; }
+  size_t GetInputTypeCount() const { return 6; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == 0 || i == 2 || i == 4 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    return i == 1 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
