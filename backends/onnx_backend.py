@@ -699,8 +699,8 @@ class _DecodeBuilder(_Builder):
         hd, kvd = a["num_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"]
         rotary = ["rotary.cos_cache", "rotary.sin_cache"] if self.node_rotates(n) else []
         native = self.native and attention_takes(a["num_heads"], a["num_kv_heads"], a["head_dim"], self.rows)
-        rows = native and (rotary or not a["rotary_dim"])  # the node takes and makes [rows, F]
-        if not rows:
+        flat = native and (bool(rotary) or not a["rotary_dim"])  # the node takes and makes [rows, F]
+        if not flat:
             for v, width in zip(qkv, [hd + 2 * kvd] if packed is not None else [hd, kvd, kvd]):
                 s3 = self.const(f"{v}.shape3", np.array([1, -1, width], np.int64))
                 self.add("Reshape", [v, s3], [f"{v}.bsd"], f"{v}.bsd")
@@ -729,10 +729,10 @@ class _DecodeBuilder(_Builder):
             # llmc's native op (--cpu-kernels native): GroupQueryAttention's inputs and attributes
             attrs.pop("rotary_interleaved", None)
             op = "DecodeAttentionInt8" if "k_scale" in n.weights else "DecodeAttention"
-            self.add(op, ins, [y[0] if rows else f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=NATIVE_DOMAIN, **attrs)
+            self.add(op, ins, [y[0] if flat else f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=NATIVE_DOMAIN, **attrs)
         else:
             self.add("GroupQueryAttention", ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=MS_DOMAIN, **attrs)
-        if not rows:
+        if not flat:
             self.add("Reshape", [f"{p}.bsd", self.const(f"{p}.shape2", np.array([-1, hd], np.int64))], y, f"{p}.rows")
 
     def row_group(self, x: str) -> str:

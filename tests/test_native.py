@@ -654,13 +654,12 @@ def test_block_q_matmul_normalises_its_input(native_kernels):
     BlockQMatMul computes, bit for bit, over rows of a width not in whole vectors of 16; a norm of another
     width is an error naming it."""
     from onnx import TensorProto, helper
-
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    from llmc.ops import folded_blocks
 
     rng = np.random.default_rng(6)
     n, k0, digits = 40, 96, 1
-    from llmc.ops import folded_blocks
-
     k = folded_blocks(k0, 32, digits) * 32
     w = _block_q_weights(rng, n, k // 32, True)
     g = rng.uniform(0.5, 2.0, k0).astype(np.float32)

@@ -470,8 +470,8 @@ struct AttentionJob {
   float* o;
 };
 
-// A block of cache rows as floats: float rows as they are, int8 codes widened once into buf (the loops below
-// read each row once per query head of the group).
+// A block of cache rows as floats: float rows as they are, int8 codes widened once into buf (a chunk task's value
+// rows, which every row group of its query rows reads).
 template <typename T>
 const float* rows_as_float(const T* src, int64_t count, std::vector<float>& buf) {
   if constexpr (std::is_same_v<T, float>) {
