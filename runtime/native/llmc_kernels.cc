@@ -385,22 +385,22 @@ struct ShadowCorrectionOp : Ort::CustomOpBase<ShadowCorrectionOp, ShadowKernel> 
 // terms and weighted V rows, which one pass over the tasks' maxima and sums then merges (as split-K
 // "flash decoding" does). More rows (a prompt's chunk): attend_chunk below.
 
-// An optional float attribute, through the C API: no exception where it is absent.
-float float_attribute_or(const OrtKernelInfo* info, const char* name, float fallback) {
-  float value = fallback;
-  if (OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_float(info, name, &value)) {
+// An optional attribute, or fallback where it is absent. Through the C API, so that an absent one throws nothing
+// (AddressSanitizer's preloaded runtime, which the tests use, cannot intercept a C++ throw).
+template <typename V>
+V attribute_or(const Ort::ConstKernelInfo& ki, const char* name, V fallback) {
+  V value = fallback;
+  const OrtKernelInfo* info = ki;
+  OrtStatus* status;
+  if constexpr (std::is_same_v<V, float>)
+    status = Ort::GetApi().KernelInfoGetAttribute_float(info, name, &value);
+  else
+    status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &value);
+  if (status != nullptr) {
     Ort::GetApi().ReleaseStatus(status);
     return fallback;
   }
   return value;
-}
-
-int64_t attribute_or(const Ort::ConstKernelInfo& ki, const char* name, int64_t fallback) {
-  try {
-    return ki.GetAttribute<int64_t>(name);
-  } catch (const Ort::Exception&) {
-    return fallback;
-  }
 }
 
 // e^x for x <= 87 (scores minus their maximum, minus a gate), a vector at a time: x = n ln2 + r with
@@ -531,52 +531,52 @@ inline void weighted_rows(const float (*w)[kPositions], int64_t n, const T* v, i
     for (int x = 0; x < CN; ++x) nstore(o + h * os + c0 + x * kNative, acc[h][x]);
 }
 
-// The G heads from h0 of a block: scores of its n keys (whole kNative groups of them; the rest one by one),
-// then, with e^(s - m) in place of the scores, the e-weighted sums of its value rows into o (rows os apart).
+// s[h][0, n) = scale * q_h . k_i for the G heads from q on and the block's n keys (whole kNative groups of
+// them, the rest one by one).
 template <int G, typename T>
-void block_heads(const float* q, const T* k, const T* v, int64_t n, int64_t d, float scale, float (*s)[kPositions], float* o,
-                 int64_t os, bool values) {
-  if (!values) {
-    int64_t first = 0;
-    if (d % kNative == 0)
-      for (; first + kNative <= n; first += kNative) score_keys<G>(q, k, d, first, scale, s);
-    for (int64_t i = first; i < n; ++i)
-      for (int h = 0; h < G; ++h) {
-        const float* qh = q + h * d;
-        const T* kr = k + i * d;
-        float dot = 0.0f;
-        if (d % kNative == 0) {
-          NVec acc = {};
-          for (int64_t j = 0; j < d; j += kNative) acc += nload(qh + j) * nload16(kr + j);
-          dot = hsum(acc);
-        } else {
-          for (int64_t j = 0; j < d; ++j) dot += qh[j] * static_cast<float>(kr[j]);
-        }
-        s[h][i] = dot * scale;
+void score_heads(const float* q, const T* k, int64_t n, int64_t d, float scale, float (*s)[kPositions]) {
+  int64_t first = 0;
+  if (d % kNative == 0)
+    for (; first + kNative <= n; first += kNative) score_keys<G>(q, k, d, first, scale, s);
+  for (int64_t i = first; i < n; ++i)
+    for (int h = 0; h < G; ++h) {
+      const float* qh = q + h * d;
+      const T* kr = k + i * d;
+      float dot = 0.0f;
+      if (d % kNative == 0) {
+        NVec acc = {};
+        for (int64_t j = 0; j < d; j += kNative) acc += nload(qh + j) * nload16(kr + j);
+        dot = hsum(acc);
+      } else {
+        for (int64_t j = 0; j < d; ++j) dot += qh[j] * static_cast<float>(kr[j]);
       }
-    return;
-  }
+      s[h][i] = dot * scale;
+    }
+}
+
+// o_h = sum over the block's n value rows r of w_h[r] * v's row r, for the G heads from w and o on (rows os apart).
+template <int G, typename T>
+void value_heads(const float (*w)[kPositions], const T* v, int64_t n, int64_t d, float* o, int64_t os) {
   int64_t c0 = 0;
   if (d % kNative == 0) {
-    for (; c0 + kRowVecs * kNative <= d; c0 += kRowVecs * kNative) weighted_rows<G, kRowVecs>(s, n, v, d, c0, o, os);
-    for (; c0 < d; c0 += kNative) weighted_rows<G, 1>(s, n, v, d, c0, o, os);
+    for (; c0 + kRowVecs * kNative <= d; c0 += kRowVecs * kNative) weighted_rows<G, kRowVecs>(w, n, v, d, c0, o, os);
+    for (; c0 < d; c0 += kNative) weighted_rows<G, 1>(w, n, v, d, c0, o, os);
   }
   for (; c0 < d; ++c0)
     for (int h = 0; h < G; ++h) {
       float acc = 0.0f;
-      for (int64_t r = 0; r < n; ++r) acc += s[h][r] * static_cast<float>(v[r * d + c0]);
+      for (int64_t r = 0; r < n; ++r) acc += w[h][r] * static_cast<float>(v[r * d + c0]);
       o[h * os + c0] = acc;
     }
 }
 
-// block_heads for heads h0 .. h0 + g (g at most kHeadBatch), with g a template argument.
-template <typename T, int G = kHeadBatch>
-void heads_of_block(int64_t g, const float* q, const T* k, const T* v, int64_t n, int64_t d, float scale, float (*s)[kPositions],
-                    float* o, int64_t os, bool values) {
+// fn(std::integral_constant<int, g>) for a head count g from 1 to kHeadBatch: the count as a template argument.
+template <int G = kHeadBatch, typename Fn>
+void with_heads(int64_t g, Fn&& fn) {
   if constexpr (G > 1) {
-    if (g < G) return heads_of_block<T, G - 1>(g, q, k, v, n, d, scale, s, o, os, values);
+    if (g < G) return with_heads<G - 1>(g, std::forward<Fn>(fn));
   }
-  block_heads<G>(q, k, v, n, d, scale, s, o, os, values);
+  fn(std::integral_constant<int, G>{});
 }
 
 // Task t: KV head t / blocks over the positions of block t % blocks, for each of its query heads: the scores,
@@ -589,10 +589,10 @@ void attend_block(void* data, size_t t) {
   alignas(64) float s[kMaxGroup][kPositions];
   const T* kg = job.k + (g * job.c + t0) * d;
   const T* vg = job.v + (g * job.c + t0) * d;
-  for (int64_t h0 = 0; h0 < job.group; h0 += kHeadBatch) {
-    const int64_t heads = std::min<int64_t>(kHeadBatch, job.group - h0);
-    heads_of_block<T>(heads, job.q + (g * job.group + h0) * d, kg, vg, n, d, job.scale, s + h0, nullptr, 0, false);
-  }
+  for (int64_t h0 = 0; h0 < job.group; h0 += kHeadBatch)
+    with_heads(std::min<int64_t>(kHeadBatch, job.group - h0), [&](auto heads) {
+      score_heads<decltype(heads)::value>(job.q + (g * job.group + h0) * d, kg, n, d, job.scale, s + h0);
+    });
   for (int64_t h = 0; h < job.group; ++h) {
     const int64_t slot = (g * job.group + h) * job.blocks + b;
     float top = -INFINITY;
@@ -620,12 +620,12 @@ void attend_block(void* data, size_t t) {
     job.l[slot] = sum;
   }
   for (int64_t h0 = 0; h0 < job.group; h0 += kHeadBatch) {
-    const int64_t heads = std::min<int64_t>(kHeadBatch, job.group - h0);
-    float* o = job.o + ((g * job.group + h0) * job.blocks + b) * d;  // the heads' rows are blocks * d apart
-    heads_of_block<T>(heads, nullptr, kg, vg, n, d, job.scale, s + h0, o, job.blocks * d, true);
+    const int64_t heads = std::min<int64_t>(kHeadBatch, job.group - h0), slot = (g * job.group + h0) * job.blocks + b;
+    float* o = job.o + slot * d;  // the heads' rows are blocks * d apart
+    with_heads(heads, [&](auto batch) { value_heads<decltype(batch)::value>(s + h0, vg, n, d, o, job.blocks * d); });
     for (int64_t h = 0; h < heads; ++h) {
       float* oh = o + h * job.blocks * d;
-      if (job.m[(g * job.group + h0 + h) * job.blocks + b] != job.m[(g * job.group + h0 + h) * job.blocks + b])
+      if (std::isnan(job.m[slot + h * job.blocks]))  // the head's scores had a NaN: its output is NaN
         std::fill(oh, oh + d, NAN);
       else if (job.v_scale != nullptr)
         for (int64_t j = 0; j < d; ++j) oh[j] *= job.v_scale[g * d + j];
@@ -887,8 +887,8 @@ struct AttentionKernel {
     heads = ki.GetAttribute<int64_t>("num_heads");
     kv_heads = ki.GetAttribute<int64_t>("kv_num_heads");
     scale = ki.GetAttribute<float>("scale");
-    rotary = attribute_or(ki, "do_rotary", 0);
-    window = attribute_or(ki, "local_window_size", -1);
+    rotary = attribute_or<int64_t>(ki, "do_rotary", 0);
+    window = attribute_or<int64_t>(ki, "local_window_size", -1);
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > kMaxGroup)
       throw Ort::Exception("DecodeAttention: num_heads must be kv_num_heads times 1 to 16", ORT_INVALID_ARGUMENT);
   }
@@ -1449,9 +1449,9 @@ struct MatVecKernel {
     Ort::ConstKernelInfo ki(info);
     k = ki.GetAttribute<int64_t>("K");
     n = ki.GetAttribute<int64_t>("N");
-    digits = attribute_or(ki, "digits", 0);
-    epsilon = float_attribute_or(info, "epsilon", 0.0f);  // the optional norm's
-    if (attribute_or(ki, "block_size", kQBlock) != kQBlock || k <= 0 || k % kQBlock != 0 || n <= 0 || digits < 0)
+    digits = attribute_or<int64_t>(ki, "digits", 0);
+    epsilon = attribute_or<float>(ki, "epsilon", 0.0f);  // the optional norm's
+    if (attribute_or<int64_t>(ki, "block_size", kQBlock) != kQBlock || k <= 0 || k % kQBlock != 0 || n <= 0 || digits < 0)
       throw Ort::Exception("BlockQMatMul: block_size must be 32, K a positive multiple of it, N positive and digits >= 0",
                            ORT_INVALID_ARGUMENT);
   }
