@@ -27,7 +27,13 @@ Act             Sigmoid·x (silu), Gelu(approximate=none|tanh)
 QLinear         QuantizeLinear, DequantizeLinear (x: uint8; W: int8, zero point 0),
                 MatMul, + bias as Add (ONNX Runtime fuses the pattern into
                 MatMulIntegerToFloat; see llmc.runtime.cpu for the int8 weights
-                and for the MatMulAddFusion its sessions turn off)
+                and for the MatMulAddFusion its sessions turn off); with llmc's
+                native ops a one-row instance without bias is ai.llmc.W8A8MatMul(x,
+                W, w_scale[, weight table][, residual][, norm]; x_scale,
+                x_zero_point[, lo, hi][, epsilon]): the quantization and the QDQ
+                MatMul, bit for bit, with the shadow correction of its result, the
+                residual Add after it and the RMS norm before it (where only such
+                ops read the norm) in the same op
 BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for the
                 codes, then (when the weights have offsets) Gemm(block sums of x,
                 offsets, C = that result) (+ bias as Add); with the offsets folded into
@@ -179,6 +185,9 @@ class _Builder:
             if "bias" in n.weights:
                 ins.append(self.weight(n.weights["bias"]))
             self.add("Gemm", ins, y, n.name, transB=1)
+        elif n.op == "QLinear" and self.w8a8_matmul(n):
+            if self.shadow_of(n) is None:  # else its correction's lowering makes the one op (see shadow_outliers)
+                self.native_projection(n, None, y[0])
         elif n.op == "QLinear":
             sc = self.const(f"{n.name}.x_scale", np.array(a["x_scale"], np.float32))
             zp = self.const(f"{n.name}.x_zero_point", np.array(a["x_zero_point"], np.uint8))
@@ -326,7 +335,8 @@ class _Builder:
         too and no QuantizeLinear runs; else None."""
         if not self.native:
             return None
-        quants = {(float(u.attrs["x_scale"]), int(u.attrs["x_zero_point"])) for u, _ in v.uses if u.op == "QLinear" and u.name in self.members}
+        quants = {(float(u.attrs["x_scale"]), int(u.attrs["x_zero_point"])) for u, _ in v.uses
+                  if u.op == "QLinear" and u.name in self.members and not self.w8a8_matmul(u)}
         return quants.pop() if len(quants) == 1 else None
 
     def codes_of(self, v: Value) -> str | None:
@@ -351,7 +361,58 @@ class _Builder:
         v = norm.outputs[0]
         if not self.native or v.name in self.sub.outputs or not v.uses or self.quantized_by(v) is not None:
             return False
-        return all(u.name in self.members and i == 0 and self.block_q_matmul(u) for u, i in v.uses)
+        return all(u.name in self.members and i == 0 and (self.block_q_matmul(u) or self.w8a8_matmul(u)
+                   or (u.op == "ShadowOutliers" and (q := self.fused_projection(u)) is not None and q.inputs[0] is v)) for u, i in v.uses)
+
+    def w8a8_matmul(self, n: Node) -> bool:
+        """Whether the QLinear ``n`` lowers to llmc's native ``W8A8MatMul`` (one-row graphs with native ops, int8
+        weights, or uint8 with zero point 128, and no bias): its QuantizeLinear and QDQ MatMul as one op, which its
+        shadow correction joins where it can (:meth:`shadow_of`)."""
+        if not (self.native and self.rows == 1 and n.op == "QLinear" and "bias" not in n.weights):
+            return False
+        return (n.weights["qweight"].dtype, int(n.attrs["w_zero_point"])) in (("int8", 0), ("uint8", 128))
+
+    def shadow_of(self, q: Node) -> Node | None:
+        """The shadow correction of the :meth:`w8a8_matmul` QLinear ``q`` that its ``W8A8MatMul`` does too: the one
+        reader of q's result (directly, or through column slices that only it reads, :meth:`whole_source`), correcting
+        it whole with the outliers of q's own input; else None."""
+        v = q.outputs[0]
+        if not self.w8a8_matmul(q) or v.name in self.sub.outputs or not v.uses:
+            return None
+        readers = {id(u): u for u, _ in v.uses}.values()
+        if all(u.op == "Slice" and u.name in self.members and self.corrected_whole(u) for u in readers):
+            shadows = {id(s): s for u in readers for s, _ in u.outputs[0].uses}
+            s = next(iter(shadows.values())) if len(shadows) == 1 else None
+            ok = s is not None and self.whole_source(s) is v
+        else:
+            s = v.uses[0][0] if len(v.uses) == 1 else None
+            ok = s is not None and s.op == "ShadowOutliers" and len(s.outputs) == 1 and s.inputs[1] is v and self.whole_source(s) is None
+        return s if ok and s.name in self.members and s.inputs[0] is q.inputs[0] else None
+
+    def fused_projection(self, shadow: Node) -> Node | None:
+        """The QLinear whose ``W8A8MatMul`` does the correction ``shadow`` too (:meth:`shadow_of`), else None."""
+        src = self.whole_source(shadow)
+        base = src if src is not None else (shadow.inputs[1] if len(shadow.outputs) == 1 else None)
+        q = base.producer if base is not None else None
+        return q if q is not None and q.op == "QLinear" and q.name in self.members and self.shadow_of(q) is shadow else None
+
+    def native_projection(self, q: Node, shadow: Node | None, out: str, residual: str | None = None) -> None:
+        """``out = residual + (W8A8 q(x) + shadow's correction)`` as llmc's native ``W8A8MatMul`` (one op for
+        QuantizeLinear, the QDQ MatMul, ShadowCorrection and the residual Add), the RMS norm before it inside too
+        where only such ops read it (:meth:`normed_in_block_q_matmul`)."""
+        a = q.attrs
+        ins = [q.inputs[0].name, self.weight(q.weights["qweight"]), self.weight(q.weights["wscale"])]
+        attrs: dict[str, Any] = {"x_scale": float(a["x_scale"]), "x_zero_point": int(a["x_zero_point"])}
+        if shadow is not None:
+            ins.append(self.weight(shadow.weights["weight_t"]))
+            attrs.update(lo=float(shadow.attrs["lo"]), hi=float(shadow.attrs["hi"]))
+        if residual is not None:
+            ins += [""] * (4 - len(ins)) + [residual]
+        norm = q.inputs[0].producer
+        if norm is not None and norm.name in self.norm_weights:
+            ins = [norm.inputs[0].name] + ins[1:] + [""] * (5 - len(ins)) + [self.norm_weights[norm.name]]
+            attrs["epsilon"] = float(norm.attrs["eps"])
+        self.add("W8A8MatMul", ins, [out], q.name, domain=NATIVE_DOMAIN, **attrs)
 
     def residual_add(self, node: Node) -> tuple[Node, str] | None:
         """In a graph with llmc's native ops, for a native correction or ``BlockQMatMul`` (without a bias) whose one
@@ -445,7 +506,10 @@ class _Builder:
         if src is not None or len(y) == 1:
             base, out = (src.name, whole_name(n)) if src is not None else (x[1], y[0])
             residual = self.residual_add(n)
-            if residual is not None:  # the block's residual Add too: out is the Add's result
+            if (q := self.fused_projection(n)) is not None:  # the projection, the correction (and the Add) as one op
+                self.native_projection(q, n, residual[0].outputs[0].name if residual is not None else out,
+                                       residual[1] if residual is not None else None)
+            elif residual is not None:  # the block's residual Add too: out is the Add's result
                 self.native_op(n, x[0], [base, residual[1]], residual[0].outputs[0].name)
             elif self.native:
                 self.native_op(n, x[0], [base], out)

@@ -23,8 +23,10 @@ from llmc.runtime.errors import BundleError
 # 4: a --cpu-kernels native decode graph may feed ai.llmc.DecodeAttention [rows, F] (no leading 1) and give
 # ai.llmc.BlockQMatMul residual and norm inputs; a runtime before 4 builds a kernel library that takes none, so it
 # refuses them instead of failing when ONNX Runtime loads or runs the graph.
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 5: a --cpu-kernels native one-row graph may run its W8A8 projections as ai.llmc.W8A8MatMul, which a runtime before
+# 5 does not build, so it refuses them.
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MANIFEST = "manifest.json"
 
 

@@ -154,8 +154,9 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
     native_ops, stock_ops = _ops(npu_pair["native"]), _ops(npu_pair["onnx"])
     corrected = [g for g, ops in stock_ops.items() if "Clip" in ops]
     assert corrected and any(g.endswith(".r1") for g in corrected) and any(not g.endswith(".r1") for g in corrected)
-    for g in corrected:
-        assert "ShadowCorrection" in native_ops[g] and not {"Clip", "TopK", "Compress", "GatherElements"} & native_ops[g], g
+    for g in corrected:  # one-row graphs: the correction is inside the projection's W8A8MatMul, with its quantization
+        op, stock = ("W8A8MatMul", {"ShadowCorrection", "QuantizeLinear", "DequantizeLinear", "MatMul"}) if g.endswith(".r1") else ("ShadowCorrection", set())
+        assert op in native_ops[g] and not ({"Clip", "TopK", "Compress", "GatherElements"} | stock) & native_ops[g], g
     # the NPU's graphs (QNN) keep stock ops only
     npu_graphs = [g for g, e in m["graphs"].items() if e["placement"] == "npu"]
     assert npu_graphs and not any(op.startswith(("ShadowCorrection", "DecodeAttention", "SwiGLU"))
@@ -165,13 +166,15 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
     assert "SwiGLU" in native_ops[decode] and not {"Sigmoid", "Slice"} & native_ops[decode]
     assert "Sigmoid" in stock_ops[decode] and "SwiGLU" not in stock_ops[decode]
     assert not any("ShadowCorrection" in ops for ops in stock_ops.values())
-    # the norms (llmc's RMSNorm) and SwiGLU write the codes their projections read, and the corrections of a
-    # block's last projections add the residual stream: of the stock bundle's Adds and QuantizeLinears in the
-    # decode graph, only the attention outputs' quantization is left
+    # in the decode graph each projection is one W8A8MatMul: its quantization, correction, the norm before it and the
+    # residual Add after it inside; a chunk's norms (llmc's RMSNorm) write the codes their projections read
     layers = sum(1 for n in _nodes(npu_pair["onnx"], decode) if n.op_type == "GroupQueryAttention")
-    counts = {op: sum(1 for n in _nodes(npu_pair["native"], decode) if n.op_type == op) for op in ("QuantizeLinear", "Add", "RMSNorm")}
-    assert layers and counts == {"QuantizeLinear": layers, "Add": 0, "RMSNorm": 2 * layers + 1}, counts
-    assert "RMSNormalization" in stock_ops[decode] and "RMSNormalization" not in native_ops[decode]
+    counts = {op: sum(1 for n in _nodes(npu_pair["native"], decode) if n.op_type == op)
+              for op in ("W8A8MatMul", "QuantizeLinear", "Add", "RMSNorm", "RMSNormalization")}
+    assert layers and counts == {"W8A8MatMul": 4 * layers + 1, "QuantizeLinear": 0, "Add": 0, "RMSNorm": 0, "RMSNormalization": 0}, counts
+    assert sum(len(n.input) == 6 for n in _nodes(npu_pair["native"], decode) if n.op_type == "W8A8MatMul") == 2 * layers + 1  # norms
+    chunk = f"{m['decode_graph']}.r{CHUNK}"
+    assert "RMSNorm" in native_ops[chunk] and "RMSNormalization" in stock_ops[decode] and "W8A8MatMul" not in native_ops[chunk]
 
     # the native bundle's weight tables are float16: the stock bundle's, rounded so in a copy, is the reference
     tables = {n: w for n, w in m["weights"].items() if n.endswith(".weight_t")}
@@ -677,6 +680,123 @@ def test_block_q_matmul_normalises_its_input(native_kernels):
         _session(_block_q_model("BlockQMatMul", k, n, k0, {**w, "norm": g[:-1]}, digits, epsilon=0.5), native_kernels).run(None, {"x": x})
 
 
+def _w8_model(k: int | None, n: int, weights: dict, rows=None, residual: bool = False, **attrs):
+    """One W8A8MatMul over x [rows, k] (k None: any width): weights w, w_scale and, optionally, wt (input 3) and norm
+    (input 5); residual a graph input (input 4)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    names = ["x", "w", "w_scale"] + (["wt"] if "wt" in weights else [])
+    if residual:
+        names += [""] * (4 - len(names)) + ["residual"]
+    if "norm" in weights:
+        names += [""] * (5 - len(names)) + ["norm"]
+    node = helper.make_node("W8A8MatMul", names, ["y"], domain="ai.llmc", **{"x_scale": 0.02, "x_zero_point": 128, **attrs})
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])]
+    if residual:
+        inputs.append(helper.make_tensor_value_info("residual", TensorProto.FLOAT, [None, None]))  # any shape: the kernel checks it
+    g = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(v, name) for name, v in weights.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.llmc", 1)])
+    m.ir_version = 10
+    return m
+
+
+def _w8_weights(rng, k: int, n: int, dtype, per_channel: bool) -> dict:
+    """Random int8 weights (uint8: those + 128), the extremes in the first columns: -128 down column 0, 127 down column 1."""
+    w = rng.integers(-128, 128, (k, n)).astype(np.int64)
+    w[:, 0], w[:, 1 % n] = -128, 127
+    scale = (rng.uniform(0.5, 1.5, n if per_channel else 1) * 1e-3).astype(np.float32)
+    return {"w": (w + 128).astype(np.uint8) if dtype == np.uint8 else w.astype(np.int8), "w_scale": scale}
+
+
+def _w8_reference(x: np.ndarray, w: dict, x_scale: float, zero_point: int) -> np.ndarray:
+    """The stock projection's arithmetic exactly: ONNX Runtime's QuantizeLinear codes, their int64 dot products with the
+    weights (less their zero points), times float32(x_scale * w_scale) in float32, as MatMulIntegerToFloat scales them."""
+    codes = _quantize_reference(x, x_scale, zero_point).astype(np.int64) - zero_point
+    weights = w["w"].astype(np.int64) - (128 if w["w"].dtype == np.uint8 else 0)
+    return (codes @ weights).astype(np.float32) * (np.float32(x_scale) * w["w_scale"])
+
+
+@pytest.mark.parametrize("k,n,zero_point,dtype,per_channel,rows,threads", [
+    (576, 960, 128, np.int8, True, 1, 2),     # SmolLM2's q/k/v: whole blocks of 64 columns, 36 row pairs in 4 ranges
+    (1536, 70, 128, np.int8, True, 1, 2),     # its down projection's K, 6 columns past a block
+    (77, 200, 3, np.uint8, True, 2, 1),       # an odd K, a zero point whose codes' high parts reach 16, uint8 weights
+    (64, 5, 255, np.int8, False, 3, 2),       # fewer columns than a block, one scale, the highest zero point
+    (576, 4160, 128, np.int8, True, 1, 2),    # many blocks, one range
+])
+def test_w8a8_matmul_is_the_stock_projection(native_kernels, k, n, zero_point, dtype, per_channel, rows, threads):
+    """W8A8MatMul computes the stock projection (QuantizeLinear, then the QDQ MatMul that ONNX Runtime runs as
+    MatMulIntegerToFloat) bit for bit: exact int32 sums of the codes less their zero point by the weights, at the
+    extremes too (a row of codes 255 and one of 0 against columns of -128 and of 127: the byte multiply-adds' int16
+    sums at their bound), over several shapes, zero points, int8 and uint8 (offset 128) weights, one and many rows."""
+    rng = np.random.default_rng(k + n + zero_point)
+    w = _w8_weights(rng, k, n, dtype, per_channel)
+    x = rng.normal(0, 1.5, (rows, k)).astype(np.float32)
+    x[0, : k // 2] = 1e3  # codes 255
+    x[-1, k // 2 :] = -1e3  # codes 0
+    x_scale = 0.02
+    got = _session(_w8_model(k, n, w, x_zero_point=zero_point), native_kernels, threads).run(None, {"x": x})[0]
+    assert got.shape == (rows, n) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, _w8_reference(x, w, x_scale, zero_point))
+
+
+@pytest.mark.parametrize("table", [np.float16, np.float32])
+def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table):
+    """With a weight table (input 3, attributes lo and hi), a residual (input 4) and a norm weight (input 5, attribute
+    epsilon), W8A8MatMul computes what RMSNorm, W8A8MatMul alone and ShadowCorrection (with that residual) compute one
+    after the other, bit for bit: the outliers and codes are the normalised row's."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(8)
+    k, n, rows, lo, hi = 96, 130, 3, -0.75, 0.75
+    w = _w8_weights(rng, k, n, np.int8, True)
+    wt = rng.standard_normal((k, n)).astype(table)
+    g = rng.uniform(0.5, 1.5, k).astype(np.float32)
+    x = (_outliers(rng, (rows, k), 0.05, lo, hi) * 3).astype(np.float32)
+    r = rng.standard_normal((rows, n)).astype(np.float32)
+    attrs = {"x_scale": 0.006, "x_zero_point": 128}
+    norm = helper.make_node("RMSNorm", ["x", "g"], ["xn"], domain="ai.llmc", epsilon=0.25)
+    graph = helper.make_graph([norm], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
+                              [helper.make_tensor_value_info("xn", TensorProto.FLOAT, None)], [numpy_helper.from_array(g, "g")])
+    xn = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]),
+                  native_kernels).run(None, {"x": x})[0]
+    assert (np.abs(xn) > hi).any()  # some outliers
+    base = _session(_w8_model(k, n, w, **attrs), native_kernels).run(None, {"x": xn})[0]
+    from onnx import helper as h
+
+    corr = h.make_node("ShadowCorrection", ["x", "wt", "base", "residual"], ["y"], domain="ai.llmc", lo=lo, hi=hi)
+    cg = h.make_graph([corr], "c", [h.make_tensor_value_info(v, TensorProto.FLOAT, [rows, c]) for v, c in (("x", k), ("base", n), ("residual", n))],
+                      [h.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(wt, "wt")])
+    three_ops = _session(h.make_model(cg, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("ai.llmc", 1)]),
+                         native_kernels).run(None, {"x": xn, "base": base, "residual": r})[0]
+    fused = _session(_w8_model(k, n, {**w, "wt": wt, "norm": g}, residual=True, lo=lo, hi=hi, epsilon=0.25, **attrs), native_kernels)
+    np.testing.assert_array_equal(fused.run(None, {"x": x, "residual": r})[0], three_ops)
+
+
+def test_w8a8_matmul_named_errors(native_kernels):
+    """Weights of another type or width, scales, a weight table, a residual or a norm of another shape, and an
+    x_zero_point outside 0..255 are errors that name the op and what it takes."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    errors = (Fail, InvalidArgument, RuntimeException)
+    rng = np.random.default_rng(0)
+    w = _w8_weights(rng, 16, 8, np.int8, True)
+    x = np.zeros((1, 16), np.float32)
+
+    def run(weights, match, x=x, residual=None, **attrs):
+        model = _w8_model(None, 8, weights, residual=residual is not None, **attrs)
+        with pytest.raises(errors, match=match):
+            _session(model, native_kernels).run(None, {"x": x, **({"residual": residual} if residual is not None else {})})
+
+    run({**w, "w": w["w"].astype(np.float32)}, "W8A8MatMul: w must be int8 .* or uint8")
+    run(w, "W8A8MatMul: x must be \\[..., K\\] and w \\[K, N\\]", x=np.zeros((1, 15), np.float32))
+    run({**w, "w_scale": w["w_scale"][:3]}, "W8A8MatMul: w_scale must be \\[N\\]")
+    run({**w, "wt": np.zeros((16, 7), np.float32)}, "W8A8MatMul: wt .* must be float32 or float16 \\[K, N\\]", lo=-1.0, hi=1.0)
+    run(w, "W8A8MatMul: residual must have the result's shape", residual=np.zeros((1, 7), np.float32))
+    run({**w, "norm": np.ones(15, np.float32)}, "W8A8MatMul: norm .* must be \\[K\\]", epsilon=1e-5)
+    run(w, "W8A8MatMul: x_scale must be positive and x_zero_point in 0..255", x_zero_point=256)
+
+
 _ASAN_SCRIPT = """
 import sys
 import numpy as np
@@ -694,7 +814,7 @@ print("clean")
 
 
 def test_block_q_matmul_reads_stay_inside_its_inputs(native_kernels, tmp_path, monkeypatch):
-    """A column's last group of blocks is read whole, past the column's end into the next column's codes, scales
+    """(And W8A8MatMul's, at an odd K and columns past its blocks of 64.) A column's last group of blocks is read whole, past the column's end into the next column's codes, scales
     and zero points (where x is zero), except in the matrix's last columns, where that would read past the
     weights. The kernels built with AddressSanitizer run BlockQMatMul at block counts that read past a column (21,
     54, 2, 4 and 8 blocks; fewer columns than a group reaches) without a read outside its inputs (a build that read
@@ -714,6 +834,9 @@ def test_block_q_matmul_reads_stay_inside_its_inputs(native_kernels, tmp_path, m
         k = folded_blocks(k0, 32, digits) * 32
         models.append(tmp_path / f"block_q_{k0}_{n}.onnx")
         models[-1].write_bytes(_block_q_model("BlockQMatMul", k, n, k0, _block_q_weights(rng, n, k // 32, zero_points), digits).SerializeToString())
+    for k, n, dtype in [(77, 70, np.uint8), (576, 130, np.int8), (1536, 64, np.int8)]:  # W8A8MatMul: odd K, columns past a block
+        models.append(tmp_path / f"w8a8_{k}_{n}.onnx")
+        models[-1].write_bytes(_w8_model(k, n, _w8_weights(rng, k, n, dtype, True)).SerializeToString())
     cxx = tmp_path / "cxx-asan"
     cxx.write_text('#!/bin/sh\nexec g++ "$@" -fsanitize=address -fno-omit-frame-pointer\n')
     cxx.chmod(0o755)

@@ -17,6 +17,10 @@ The library (``llmc_kernels.cc``, domain ``ai.llmc``) holds:
 - ``BlockQMatMul``: ``MatMulNBits`` (4-bit codes in blocks of 32, int8 activations per block) for the one-row
   graphs of int4 bundles, widening its input with the block sums of folded offsets itself; a block's last
   projection adds the residual stream too (no Add), and its first ones do the RMS norm before them.
+- ``W8A8MatMul``: a W8A8 projection of the one-row graphs as one op: ``QuantizeLinear`` of its input, the QDQ
+  ``MatMul`` (ONNX Runtime's ``MatMulIntegerToFloat``: exact int32 sums, the same float scaling, bit for bit), the
+  shadow correction (``ShadowCorrection``'s), the residual Add after it and the RMS norm before it where only such
+  ops read the norm. Int8 weights, or uint8 with zero point 128, read as they are stored (``[K, N]``, no packed copy).
 
 Bundles compiled with ``--cpu-kernels native`` use these ops, and their sessions load the library.
 

@@ -1526,6 +1526,286 @@ struct MatVecOp : Ort::CustomOpBase<MatVecOp, MatVecKernel> {
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
+// ---------------------------------------------------------------------------------------------------
+// W8A8MatMul(x[..., K], w[K, N], w_scale[N] or [1], wt[K, N]?, residual[..., N]?, norm[K]?;
+//            x_scale, x_zero_point, lo?, hi?, epsilon?) -> y[..., N]
+//
+//   y = residual + ((q(x) - x_zero_point) @ (w - w_zero_point) * x_scale * w_scale + (x - clip(x, lo, hi)) @ wt)
+//
+// A W8A8 projection with shadow outliers as one op, for the rows of a decode step: what the stock graph does with
+// QuantizeLinear, MatMulIntegerToFloat (the QDQ MatMul fused) and ShadowCorrection. q(x) is x's uint8 codes as
+// QuantizeLinear computes them (quantize_row); w is int8 (zero point 0) or uint8 (zero point 128, as memory-budgeted
+// bundles store it); the int32 sums are exact and scaled as ONNX Runtime's MatMulIntegerToFloat scales them,
+// float(sum) * (x_scale * w_scale[n]). wt is the float table of the outlier correction (ShadowCorrection: float32
+// or float16, attributes lo and hi); residual is added last. With norm, x is first RMS-normalised as RMSNorm does
+// (attribute epsilon), and the codes and outliers are the normalised row's.
+//
+// The op is bound by reading w once, a byte a weight, as it is stored ([K, N]: no packed copy of the weights the
+// chunk graphs' MatMulIntegerToFloat reads too). Whole rows are read in order: tasks on ONNX Runtime's threads are
+// ranges of rows (kW8Splits; the LM head's too), each summing its rows into int32 sums of all N columns, which are
+// then added up and scaled. A range goes down its rows kW8Pairs pairs at a time, across all columns 64 at a time:
+// two rows' bytes interleaved (unpack), multiplied by the two codes' parts and pair-added (vpmaddubsw, see w8_rows),
+// while the lines of the next pairs are fetched ahead.
+
+constexpr int64_t kW8Splits = 4;  // row ranges of a matrix (their int32 sums added after)
+constexpr int64_t kW8Near = 4096;  // widths up to which the lines fetched ahead are the next pairs' (else further along)
+constexpr int64_t kW8Ahead = 512;  // bytes ahead along a row fetched into cache, past kW8Near
+
+struct W8Job {
+  const int16_t* a;      // the row's codes less the zero point, K rounded up to even (a zero after an odd K's last)
+  const int16_t* parts;  // per pair of codes: their high parts ((a - lo) / 16, a byte each, the first low), their low parts (lo)
+  const uint8_t* w;      // [K, N] bytes: int8, or uint8 offset by 128; each read as w + 128 (flip: int8's top bit turned)
+  int32_t* partial;      // [splits, N]: each row range's sums of a * (w + 128), blocks of 64 columns in interleave order
+  int64_t k, n, splits, split_pairs, flush;  // split_pairs: row pairs per range, a multiple of kW8Pairs
+  int64_t ahead;  // bytes past a row's line to fetch into cache: the next pairs' (up to kW8Near columns), or further along
+  uint8_t flip;
+  int32_t total;  // sum(a)
+  float x_scale;
+  const float* w_scale;
+  bool per_channel;
+  float* y;  // the row's result
+};
+
+inline int32_t w8(const W8Job& job, int64_t k, int64_t c) { return job.w[k * job.n + c] ^ job.flip; }  // w + 128
+
+#if defined(__AVX2__)
+constexpr int64_t kW8Pairs = 8;  // row pairs summed in int16 at most before they are widened (see w8_rows)
+
+// Row pairs [p0, p1) of columns [c0, c0 + 64), added to acc (int32, in the order the interleaves leave the columns:
+// see w8_finish) or, first, stored there. Each code a (a - zero point) is split into a = 16 * hi + lo, lo in -8..7,
+// and each weight read as the unsigned w + 128 (its top bit turned), so that a byte multiply-add of two rows' weights
+// by two codes' parts (vpmaddubsw, unsigned by signed) cannot saturate: at most 2 * 255 * 16 (hi is in -8..8 for a
+// zero point of 128, -16..16 at most). The pairs are summed in int16 (job.flush pairs at a time: 8, or 4 where hi
+// can reach beyond 8), then lo + 16 * hi is widened to int32 (vpmaddwd by (1, 16)). The lines job.ahead bytes past
+// the rows' are fetched into cache meanwhile.
+inline void w8_rows(const W8Job& job, int64_t p0, int64_t p1, int64_t c0, int32_t* acc, bool first) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(job.flip));
+  const int64_t n = job.n;
+  __m256i s[8] = {};  // per 32 columns: the rows' low interleave by hi, by lo; their high interleave by hi, by lo
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t k = 2 * p;
+    const uint8_t* r0 = job.w + k * n + c0;
+    const uint8_t* r1 = k + 1 < job.k ? r0 + n : r0;  // an odd K's last row pairs with itself, times a zero code
+    if (k + 2 * job.flush + 1 < job.k) {
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + job.ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r1 + job.ahead), _MM_HINT_T0);
+    }
+    const __m256i h = _mm256_set1_epi16(job.parts[2 * p]), l = _mm256_set1_epi16(job.parts[2 * p + 1]);
+#pragma GCC unroll 2
+    for (int g = 0; g < 2; ++g) {
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 32 * g)), flip);
+      const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 32 * g)), flip);
+      const __m256i u = _mm256_unpacklo_epi8(w0, w1);
+      s[4 * g] = _mm256_add_epi16(s[4 * g], _mm256_maddubs_epi16(u, h));
+      s[4 * g + 1] = _mm256_add_epi16(s[4 * g + 1], _mm256_maddubs_epi16(u, l));
+      const __m256i v = _mm256_unpackhi_epi8(w0, w1);
+      s[4 * g + 2] = _mm256_add_epi16(s[4 * g + 2], _mm256_maddubs_epi16(v, h));
+      s[4 * g + 3] = _mm256_add_epi16(s[4 * g + 3], _mm256_maddubs_epi16(v, l));
+    }
+  }
+  const __m256i weights = _mm256_set1_epi32(1 | 16 << 16);
+  for (int v = 0; v < 4; ++v) {  // lo + 16 * hi, widened
+    const __m256i hi = s[2 * v], lo = s[2 * v + 1];
+    __m256i* a = reinterpret_cast<__m256i*>(acc + 16 * v);
+    const __m256i low = _mm256_madd_epi16(_mm256_unpacklo_epi16(lo, hi), weights), high = _mm256_madd_epi16(_mm256_unpackhi_epi16(lo, hi), weights);
+    _mm256_storeu_si256(a, first ? low : _mm256_add_epi32(_mm256_loadu_si256(a), low));
+    _mm256_storeu_si256(a + 1, first ? high : _mm256_add_epi32(_mm256_loadu_si256(a + 1), high));
+  }
+}
+#endif
+
+// y[c] for the columns [c0, c1), c0 a multiple of 64: (the ranges' sums less 128 * sum(a)) * (x_scale * w_scale[c]),
+// the sums of a * w scaled as MatMulIntegerToFloat scales them.
+void w8_finish(const W8Job& job, int64_t c0, int64_t c1) {
+  const __m256i bias = _mm256_set1_epi32(128 * job.total);
+  const auto scale = [&](int64_t c) { return job.x_scale * job.w_scale[job.per_channel ? c : 0]; };
+  int64_t c = c0;
+#if defined(__AVX2__)
+  // per 32 columns the sums are 4 vectors: (rows' low interleave, high) x (unpacklo_epi16, unpackhi_epi16); vector
+  // 2v + h has columns v * 8 + h * 4 + (0..3) in its low 128-bit lane and those + 16 in its high lane
+  const __m256 xs = _mm256_set1_ps(job.x_scale);
+  for (; c + 32 <= c0 + (c1 - c0) / 64 * 64; c += 32) {
+    __m256i v[4];
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(job.partial + c + 8 * i));
+      for (int64_t r = 1; r < job.splits; ++r)
+        v[i] = _mm256_add_epi32(v[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(job.partial + r * job.n + c + 8 * i)));
+    }
+    for (int h = 0; h < 2; ++h)
+      for (int half = 0; half < 2; ++half) {
+        const int64_t at = c + 8 * h + 16 * half;
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_permute2x128_si256(v[2 * h], v[2 * h + 1], half ? 0x31 : 0x20), bias));
+        const __m256 sc = job.per_channel ? _mm256_mul_ps(xs, _mm256_loadu_ps(job.w_scale + at)) : _mm256_set1_ps(scale(0));
+        _mm256_storeu_ps(job.y + at, _mm256_mul_ps(sums, sc));
+      }
+  }
+#endif
+  for (; c < c1; ++c) {
+    int32_t sum = -128 * job.total;
+    for (int64_t r = 0; r < job.splits; ++r) sum += job.partial[r * job.n + c];
+    job.y[c] = static_cast<float>(sum) * scale(c);
+  }
+}
+
+// Task t: row range t, its sums into partial's row t.
+void w8_task(void* data, size_t t) {
+  const W8Job& job = *static_cast<const W8Job*>(data);
+  const int64_t n = job.n, pairs = (job.k + 1) / 2;
+  const int64_t q0 = static_cast<int64_t>(t) * job.split_pairs, q1 = std::min(pairs, q0 + job.split_pairs);
+  int32_t* acc = job.partial + static_cast<int64_t>(t) * n;
+  int64_t c = 0;
+#if defined(__AVX2__)
+  const int64_t whole = n / 64 * 64;
+  for (int64_t p0 = q0; p0 < q1; p0 += job.flush) {  // job.flush pairs of rows across all columns, each row's bytes in order
+    const int64_t p1 = std::min(q1, p0 + job.flush);
+    for (c = 0; c < whole; c += 64) w8_rows(job, p0, p1, c, acc + c, p0 == q0);
+  }
+  c = whole;
+#endif
+  std::memset(acc + c, 0, sizeof(int32_t) * static_cast<size_t>(n - c));
+  for (int64_t k = 2 * q0; k < std::min(job.k, 2 * q1); ++k)  // the columns past whole blocks of 64 (without AVX2, all)
+    for (int64_t j = c; j < n; ++j) acc[j] += static_cast<int32_t>(job.a[k]) * w8(job, k, j);
+}
+
+constexpr int64_t kW8Finish = 4096;  // columns a task of w8_finish_task scales
+
+void w8_finish_task(void* data, size_t t) {
+  const W8Job& job = *static_cast<const W8Job*>(data);
+  const int64_t c0 = static_cast<int64_t>(t) * kW8Finish;
+  w8_finish(job, c0, std::min(job.n, c0 + kW8Finish));
+}
+
+struct W8Kernel {
+  float x_scale, lo = 0.0f, hi = 0.0f, epsilon;
+  int32_t x_zero_point;
+
+  W8Kernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    x_scale = ki.GetAttribute<float>("x_scale");
+    x_zero_point = static_cast<int32_t>(ki.GetAttribute<int64_t>("x_zero_point"));
+    if (!(x_scale > 0.0f) || x_zero_point < 0 || x_zero_point > 255)
+      throw Ort::Exception("W8A8MatMul: x_scale must be positive and x_zero_point in 0..255", ORT_INVALID_ARGUMENT);
+    lo = attribute_or<float>(ki, "lo", 0.0f);  // the correction's, when it has a weight table
+    hi = attribute_or<float>(ki, "hi", 0.0f);
+    epsilon = attribute_or<float>(ki, "epsilon", 0.0f);  // the optional norm's
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    Ort::ConstValue x = ctx.GetInput(0), w = ctx.GetInput(1), w_scale = ctx.GetInput(2);
+    const auto optional = [&](size_t i) { return ctx.GetInputCount() > i ? static_cast<const OrtValue*>(ctx.GetInput(i)) : nullptr; };
+    const OrtValue *wt_value = optional(3), *residual_value = optional(4), *norm_value = optional(5);
+    std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+    const std::vector<int64_t> ws = w.GetTensorTypeAndShapeInfo().GetShape();
+    const ONNXTensorElementDataType wtype = w.GetTensorTypeAndShapeInfo().GetElementType();
+    if (wtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 && wtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8)
+      throw Ort::Exception("W8A8MatMul: w must be int8 (zero point 0) or uint8 (zero point 128)", ORT_INVALID_ARGUMENT);
+    if (shape.empty() || ws.size() != 2 || ws[0] != shape.back())
+      throw Ort::Exception("W8A8MatMul: x must be [..., K] and w [K, N] with the same K", ORT_INVALID_ARGUMENT);
+    const int64_t k = ws[0], n = ws[1], rows = leading_rows(shape);
+    const size_t scales = w_scale.GetTensorTypeAndShapeInfo().GetElementCount();
+    if (scales != 1 && scales != static_cast<size_t>(n))
+      throw Ort::Exception("W8A8MatMul: w_scale must be [N] (per output column) or [1]", ORT_INVALID_ARGUMENT);
+    ONNXTensorElementDataType wt_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (wt_value != nullptr) {
+      Ort::ConstValue wt{wt_value};
+      wt_type = wt.GetTensorTypeAndShapeInfo().GetElementType();
+      if (wt.GetTensorTypeAndShapeInfo().GetShape() != ws ||
+          (wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16))
+        throw Ort::Exception("W8A8MatMul: wt (the outliers' weight table) must be float32 or float16 [K, N], as w", ORT_INVALID_ARGUMENT);
+    }
+    if (norm_value != nullptr && Ort::ConstValue{norm_value}.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(k))
+      throw Ort::Exception("W8A8MatMul: norm (the RMS norm's weight) must be [K], x's width", ORT_INVALID_ARGUMENT);
+    shape.back() = n;
+    if (residual_value != nullptr && Ort::ConstValue{residual_value}.GetTensorTypeAndShapeInfo().GetShape() != shape)
+      throw Ort::Exception("W8A8MatMul: residual must have the result's shape [..., N]", ORT_INVALID_ARGUMENT);
+    Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
+    float* out = y.GetTensorMutableData<float>();
+    const float* residual = residual_value != nullptr ? Ort::ConstValue{residual_value}.GetTensorData<float>() : nullptr;
+
+    thread_local std::vector<float> normed;  // this thread's buffers, kept across calls
+    thread_local std::vector<uint8_t> codes;
+    thread_local std::vector<int16_t> a, parts;
+    const float* xs = x.GetTensorData<float>();
+    if (norm_value != nullptr) {
+      normed.resize(static_cast<size_t>(rows * k));
+      for (int64_t r = 0; r < rows; ++r) rms_row(xs + r * k, Ort::ConstValue{norm_value}.GetTensorData<float>(), k, epsilon, normed.data() + r * k);
+      xs = normed.data();
+    }
+    codes.resize(static_cast<size_t>(k));
+    a.assign(static_cast<size_t>(k + k % 2), 0);
+    Quantizer quant;
+    quant.scale = x_scale;
+    quant.zero_point = x_zero_point;
+    parts.resize(static_cast<size_t>(k + k % 2));
+    // kW8Splits ranges of rows (one for a small matrix), so that there are tasks for the threads and each reads
+    // whole rows of weights in order
+    const int64_t pairs = (k + 1) / 2;
+    const bool parallel = static_cast<size_t>(n * k) >= kParallelWork;
+    const int64_t splits = parallel ? std::min(kW8Splits, pairs) : 1, split_pairs = (pairs + splits - 1) / splits;
+    // the codes' high parts: (a - lo) / 16 for a in -zero_point..255 - zero_point; 8 at most in magnitude when the zero
+    // point is 120..136, and then a pair's sum, 2 * 255 * 8 at most, can be added 8 times in int16
+    const int64_t flush = x_zero_point >= 120 && x_zero_point <= 136 ? kW8Pairs : kW8Pairs / 2;
+    thread_local std::vector<int32_t> partial;
+    partial.resize(static_cast<size_t>(splits * n));
+    W8Job job{a.data(), parts.data(), static_cast<const uint8_t*>(w.GetTensorRawData()), partial.data(), k, n, splits, split_pairs, flush,
+              n <= kW8Near ? 2 * flush * n : kW8Ahead, static_cast<uint8_t>(wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 ? 0x80 : 0), 0, x_scale,
+              w_scale.GetTensorData<float>(), scales != 1, nullptr};
+    const size_t finishes = static_cast<size_t>((n + kW8Finish - 1) / kW8Finish);
+    for (int64_t r = 0; r < rows; ++r) {
+      quantize_row(xs + r * k, k, quant, codes.data());
+      job.total = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        a[static_cast<size_t>(i)] = static_cast<int16_t>(codes[static_cast<size_t>(i)] - x_zero_point);
+        job.total += a[static_cast<size_t>(i)];
+      }
+      for (int64_t i = 0; i < k; i += 2) {  // (a - lo) / 16 and lo, lo in -8..7, for each pair of codes (see w8_rows)
+        const int32_t a0 = a[static_cast<size_t>(i)], a1 = a[static_cast<size_t>(i + 1)];
+        const int32_t l0 = ((a0 + 8) & 15) - 8, l1 = ((a1 + 8) & 15) - 8;
+        parts[static_cast<size_t>(i)] = static_cast<int16_t>(((a0 - l0) >> 4 & 0xff) | ((a1 - l1) >> 4) << 8);
+        parts[static_cast<size_t>(i + 1)] = static_cast<int16_t>((l0 & 0xff) | l1 << 8);
+      }
+      job.y = out + r * n;
+      if (splits > 1)
+        ctx.ParallelFor(w8_task, static_cast<size_t>(splits), 0, &job);
+      else
+        w8_task(&job, 0);
+      if (parallel && finishes > 1)
+        ctx.ParallelFor(w8_finish_task, finishes, 0, &job);
+      else
+        w8_finish(job, 0, n);
+    }
+    if (wt_value != nullptr) {  // y = residual + (y + the outliers' correction)
+      Outliers outliers;
+      find_outliers(xs, rows, k, lo, hi, outliers);
+      if (!outliers.channel.empty() || residual != nullptr) {
+        Ort::ConstValue wt{wt_value};
+        if (wt_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+          correct(ctx, outliers, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), out, residual, out, rows, n);
+        else
+          correct(ctx, outliers, wt.GetTensorData<float>(), out, residual, out, rows, n);
+      }
+    } else if (residual != nullptr) {
+      for (int64_t i = 0; i < rows * n; ++i) out[i] = residual[i] + out[i];
+    }
+  }
+};
+
+struct W8Op : Ort::CustomOpBase<W8Op, W8Kernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new W8Kernel(api, info); }
+  const char* GetName() const { return "W8A8MatMul"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 6; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {  // w: int8 or uint8, wt: float32 or float16 (checked when it runs)
+    return i == 1 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i >= 3 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
 std::mutex domains_mutex;
 std::vector<Ort::CustomOpDomain> domains;  // alive as long as the library: sessions refer to them
 
@@ -1539,6 +1819,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
   static const SwigluOp swiglu;
   static const NormOp rms_norm;
   static const MatVecOp block_q_matmul;
+  static const W8Op w8a8_matmul;
   try {
     Ort::CustomOpDomain domain{"ai.llmc"};
     domain.Add(&shadow_correction);
@@ -1547,6 +1828,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     domain.Add(&swiglu);
     domain.Add(&rms_norm);
     domain.Add(&block_q_matmul);
+    domain.Add(&w8a8_matmul);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(domains_mutex);
     domains.push_back(std::move(domain));
