@@ -1568,8 +1568,9 @@ struct W8Job {
 
 inline int32_t w8(const W8Job& job, int64_t k, int64_t c) { return job.w[k * job.n + c] ^ job.flip; }  // w + 128
 
-#if defined(__AVX2__)
 constexpr int64_t kW8Pairs = 8;  // row pairs summed in int16 at most before they are widened (see w8_rows)
+
+#if defined(__AVX2__)
 
 // Row pairs [p0, p1) of columns [c0, c0 + 64), added to acc (int32, in the order the interleaves leave the columns:
 // see w8_finish) or, first, stored there. Each code a (a - zero point) is split into a = 16 * hi + lo, lo in -8..7,
@@ -1617,12 +1618,12 @@ inline void w8_rows(const W8Job& job, int64_t p0, int64_t p1, int64_t c0, int32_
 // y[c] for the columns [c0, c1), c0 a multiple of 64: (the ranges' sums less 128 * sum(a)) * (x_scale * w_scale[c]),
 // the sums of a * w scaled as MatMulIntegerToFloat scales them.
 void w8_finish(const W8Job& job, int64_t c0, int64_t c1) {
-  const __m256i bias = _mm256_set1_epi32(128 * job.total);
   const auto scale = [&](int64_t c) { return job.x_scale * job.w_scale[job.per_channel ? c : 0]; };
   int64_t c = c0;
 #if defined(__AVX2__)
   // per 32 columns the sums are 4 vectors: (rows' low interleave, high) x (unpacklo_epi16, unpackhi_epi16); vector
   // 2v + h has columns v * 8 + h * 4 + (0..3) in its low 128-bit lane and those + 16 in its high lane
+  const __m256i bias = _mm256_set1_epi32(128 * job.total);
   const __m256 xs = _mm256_set1_ps(job.x_scale);
   for (; c + 32 <= c0 + (c1 - c0) / 64 * 64; c += 32) {
     __m256i v[4];
