@@ -402,6 +402,8 @@ class _Builder:
         where only such ops read it (:meth:`normed_in_block_q_matmul`)."""
         a = q.attrs
         ins = [q.inputs[0].name, self.weight(q.weights["qweight"]), self.weight(q.weights["wscale"])]
+        if q.weights["wscale"].shape == (1,):  # a per-tensor scale: a scalar, as in the instances with stock ops
+            self.scalar_weights.add(ins[2])
         attrs: dict[str, Any] = {"x_scale": float(a["x_scale"]), "x_zero_point": int(a["x_zero_point"])}
         if shadow is not None:
             ins.append(self.weight(shadow.weights["weight_t"]))

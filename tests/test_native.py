@@ -199,6 +199,37 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()))
 
 
+@pytest.mark.parametrize("options", [{"weight_granularity": "tensor"}, {"shadow": False}])
+def test_w8a8_matmul_without_a_fused_correction(model_dirs, calib_words, tmp_path, native_kernels, options):
+    """One weight scale per matrix (q/k/v and gate/up not merged: their corrections take several projections and stay
+    ShadowCorrection, while o_proj's and down_proj's join theirs) and no shadow outliers at all (W8A8MatMul without a
+    weight table): the one-row graph's logits, token by token, are the chunk graph's over the same prompt."""
+    from llmc.compile import compile_model
+    from llmc.runtime import Session
+
+    out = tmp_path / "npu"
+    compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, calib_file=str(calib_words),
+                  calib_tokens=256, cpu_kernels="native", **options)
+    decode = f"{json.loads((out / 'manifest.json').read_text())['decode_graph']}.r1"
+    nodes = _nodes(out, decode)
+    w8 = [n for n in nodes if n.op_type == "W8A8MatMul"]
+    assert w8 and not {"QuantizeLinear", "DequantizeLinear", "MatMul"} & {n.op_type for n in nodes}
+    if options.get("shadow", True):  # q, k, v, gate, up alone; o_proj and down_proj with their corrections
+        assert sum(len(n.input) == 3 for n in w8) == 5 * sum(n.op_type.startswith("DecodeAttention") for n in nodes)
+        assert "ShadowCorrection" in {n.op_type for n in nodes}
+    else:
+        assert "ShadowCorrection" not in {n.op_type for n in nodes} and all(len(n.input) < 4 or not n.input[3] for n in w8)
+    ids = [int(t) for t in np.random.default_rng(3).integers(4, 120, size=CHUNK + 6)]
+    s = Session(out, "cpu")
+    s.reset()
+    whole = s.prefill(ids, all_logits=True)
+    s.reset()
+    s.prefill(ids[:CHUNK])
+    stepped = [s.decode(t) for t in ids[CHUNK:]]
+    for a, b in zip(stepped, whole[CHUNK:]):
+        np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()))
+
+
 def test_native_bundle_without_the_library_is_a_named_error(npu_pair, tmp_path, monkeypatch):
     """inspect and bench name the native kernels; without the library a Session and `llmc run` fail with exit 11."""
     from click.testing import CliRunner
