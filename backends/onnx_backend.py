@@ -249,7 +249,7 @@ class _Builder:
                 off = self.const(f"{n.name}.offset", np.array(a["offset"], np.float32))
                 self.add("Add", [w, off], [f"{n.name}.scale"], f"{n.name}.scale")
                 w = f"{n.name}.scale"
-            if self.normed_in_block_q_matmul(n):
+            if self.normed_in_projections(n):
                 self.norm_weights[n.name] = w  # each BlockQMatMul reading the norm normalises its input itself
             elif (quant := self.quantized_by(n.outputs[0])) is not None:
                 self.add("RMSNorm", x + [w], y + [self.codes_of(n.outputs[0])], f"{n.name}.native", domain=NATIVE_DOMAIN,
@@ -354,10 +354,11 @@ class _Builder:
         return (self.native and self.rows == 1 and n.op == "BlockQLinear" and a["bits"] == 4 and a["block_size"] == BLOCK_Q_MATMUL
                 and "offsets" not in n.weights)
 
-    def normed_in_block_q_matmul(self, norm: Node) -> bool:
-        """Whether the RMSNorm ``norm`` of a graph with llmc's native ops is done by the BlockQMatMuls that read its
-        result (an optional input of theirs): every reader of it is one, in this graph, and no graph output or
-        W8A8 projection needs the normalised values themselves."""
+    def normed_in_projections(self, norm: Node) -> bool:
+        """Whether the RMSNorm ``norm`` of a graph with llmc's native ops is done by the ``BlockQMatMul`` or
+        ``W8A8MatMul`` ops that read its result (an optional input of theirs): every reader of it is one (or the
+        correction a W8A8MatMul does too), in this graph, and no graph output or stock W8A8 projection needs the
+        normalised values themselves."""
         v = norm.outputs[0]
         if not self.native or v.name in self.sub.outputs or not v.uses or self.quantized_by(v) is not None:
             return False
@@ -399,7 +400,7 @@ class _Builder:
     def native_projection(self, q: Node, shadow: Node | None, out: str, residual: str | None = None) -> None:
         """``out = residual + (W8A8 q(x) + shadow's correction)`` as llmc's native ``W8A8MatMul`` (one op for
         QuantizeLinear, the QDQ MatMul, ShadowCorrection and the residual Add), the RMS norm before it inside too
-        where only such ops read it (:meth:`normed_in_block_q_matmul`)."""
+        where only such ops read it (:meth:`normed_in_projections`)."""
         a = q.attrs
         ins = [q.inputs[0].name, self.weight(q.weights["qweight"]), self.weight(q.weights["wscale"])]
         if q.weights["wscale"].shape == (1,):  # a per-tensor scale: a scalar, as in the instances with stock ops

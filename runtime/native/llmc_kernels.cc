@@ -1556,7 +1556,7 @@ struct W8Job {
   const int16_t* parts;  // per pair of codes: their high parts ((a - lo) / 16, a byte each, the first low), their low parts (lo)
   const uint8_t* w;      // [K, N] bytes: int8, or uint8 offset by 128; each read as w + 128 (flip: int8's top bit turned)
   int32_t* partial;      // [splits, N]: each row range's sums of a * (w + 128), blocks of 64 columns in interleave order
-  int64_t k, n, splits, split_pairs, flush;  // split_pairs: row pairs per range, a multiple of kW8Pairs
+  int64_t k, n, splits, split_pairs, flush;  // split_pairs: row pairs per range (the last may have fewer)
   int64_t ahead;  // bytes past a row's line to fetch into cache: the next pairs' (up to kW8Near columns), or further along
   uint8_t flip;
   int32_t total;  // sum(a)
