@@ -95,7 +95,7 @@ def cli(verbose: int) -> None:
                    "smooth_activations and a second calibrate) with this strength. Default: 0.8 with --no-shadow, else off.")
 @click.option("--cpu-kernels", type=click.Choice(["onnx", "native"]), default="onnx", show_default=True,
               help="How the CPU's graphs compute the shadow outlier corrections (npu), the decode graph's attention, a gated MLP's "
-                   "activation, the norms before W8A8 projections and (int4) the one-row graphs' 4-bit projections: "
+                   "activation, the norms before W8A8 projections, the one-row graphs' W8A8 projections (npu) and 4-bit ones (int4): "
                    "ONNX Runtime's stock ops, or llmc's native ops (faster: fused "
                    "quantization and residual adds; the decode graph then also prefills in chunks over an int8 KV cache or in a "
                    "sliding window; the bundle needs `llmc kernels build` run where it runs).")
