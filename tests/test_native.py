@@ -844,12 +844,14 @@ print("clean")
 """
 
 
-def test_block_q_matmul_reads_stay_inside_its_inputs(native_kernels, tmp_path, monkeypatch):
-    """(And W8A8MatMul's, at an odd K and columns past its blocks of 64.) A column's last group of blocks is read whole, past the column's end into the next column's codes, scales
-    and zero points (where x is zero), except in the matrix's last columns, where that would read past the
-    weights. The kernels built with AddressSanitizer run BlockQMatMul at block counts that read past a column (21,
-    54, 2, 4 and 8 blocks; fewer columns than a group reaches) without a read outside its inputs (a build that read
-    past the last columns too was caught). Skipped where GCC has no AddressSanitizer runtime."""
+def test_native_matmuls_read_inside_their_inputs(native_kernels, tmp_path, monkeypatch):
+    """BlockQMatMul reads a column's last group of blocks whole, past the column's end into the next column's codes,
+    scales and zero points (where x is zero), except in the matrix's last columns, where that would read past the
+    weights; W8A8MatMul pairs an odd K's last row with itself and sums the columns past its blocks of 64 one at a
+    time. The kernels built with AddressSanitizer run BlockQMatMul at block counts that read past a column (21, 54, 2,
+    4 and 8 blocks; fewer columns than a group reaches) and W8A8MatMul at an odd K and partial blocks without a read
+    outside their inputs (a build that read past BlockQMatMul's last columns, and one that read an odd K's missing
+    row, were caught). Skipped where GCC has no AddressSanitizer runtime."""
     import subprocess
     import sys
 
