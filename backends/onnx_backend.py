@@ -135,7 +135,7 @@ class _Builder:
         self.consts: list[Any] = []
         self.used_weights: list[str] = []
         self.made_once: set[str] = set()  # values made once per graph (block sums, the decode position)
-        self.norm_weights: dict[str, str] = {}  # RMSNorms done inside the BlockQMatMuls that read them: their weight
+        self.norm_weights: dict[str, str] = {}  # RMSNorms done inside the native projections that read them: their weight
         self.scalar_weights: set[str] = set()  # one-element weights used as per-tensor quantization scales
         self.extra_inputs: list[Any] = []  # graph inputs and outputs beyond the subgraph's values (the decode graph's caches)
         self.extra_outputs: list[Any] = []
@@ -229,10 +229,10 @@ class _Builder:
                 if residual is not None:
                     codes += [""] * (3 - len(codes)) + [residual[1]]
                     out = [residual[0].outputs[0].name]
-                norm, xin, attrs = n.inputs[0].producer, x[0], {}
-                if norm is not None and norm.name in self.norm_weights:  # the RMS norm before it, in the kernel
-                    codes += [""] * (4 - len(codes)) + [self.norm_weights[norm.name]]
-                    xin, attrs = norm.inputs[0].name, {"epsilon": float(norm.attrs["eps"])}
+                xin, attrs = x[0], {}
+                if (inside := self.norm_inside(n.inputs[0])) is not None:  # the RMS norm before it, in the kernel
+                    xin, weight, attrs["epsilon"] = inside
+                    codes += [""] * (4 - len(codes)) + [weight]
                 self.add("BlockQMatMul", [xin, *codes], out, n.name, domain=NATIVE_DOMAIN, K=nb * block, N=out_f, block_size=block,
                          digits=digits, **attrs)
             else:
@@ -250,7 +250,7 @@ class _Builder:
                 self.add("Add", [w, off], [f"{n.name}.scale"], f"{n.name}.scale")
                 w = f"{n.name}.scale"
             if self.normed_in_projections(n):
-                self.norm_weights[n.name] = w  # each BlockQMatMul reading the norm normalises its input itself
+                self.norm_weights[n.name] = w  # each projection reading the norm normalises its input itself (norm_inside)
             elif (quant := self.quantized_by(n.outputs[0])) is not None:
                 self.add("RMSNorm", x + [w], y + [self.codes_of(n.outputs[0])], f"{n.name}.native", domain=NATIVE_DOMAIN,
                          epsilon=float(a["eps"]), scale=quant[0], zero_point=quant[1])
@@ -411,11 +411,18 @@ class _Builder:
             attrs.update(lo=float(shadow.attrs["lo"]), hi=float(shadow.attrs["hi"]))
         if residual is not None:
             ins += [""] * (4 - len(ins)) + [residual]
-        norm = q.inputs[0].producer
-        if norm is not None and norm.name in self.norm_weights:
-            ins = [norm.inputs[0].name] + ins[1:] + [""] * (5 - len(ins)) + [self.norm_weights[norm.name]]
-            attrs["epsilon"] = float(norm.attrs["eps"])
+        if (inside := self.norm_inside(q.inputs[0])) is not None:
+            ins[0], weight, attrs["epsilon"] = inside
+            ins += [""] * (5 - len(ins)) + [weight]
         self.add("W8A8MatMul", ins, [out], q.name, domain=NATIVE_DOMAIN, **attrs)
+
+    def norm_inside(self, v: Value) -> tuple[str, str, float] | None:
+        """When ``v`` is an RMS norm's result that the native projections reading it compute themselves
+        (:meth:`normed_in_projections`): the norm's input, its weight and its epsilon, which they take instead of v."""
+        norm = v.producer
+        if norm is None or norm.name not in self.norm_weights:
+            return None
+        return norm.inputs[0].name, self.norm_weights[norm.name], float(norm.attrs["eps"])
 
     def residual_add(self, node: Node) -> tuple[Node, str] | None:
         """In a graph with llmc's native ops, for a native correction or ``BlockQMatMul`` (without a bias) whose one
