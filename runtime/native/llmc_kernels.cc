@@ -1677,15 +1677,16 @@ void w8_finish_task(void* data, size_t t) {
 }
 
 struct W8Kernel {
-  float x_scale, lo = 0.0f, hi = 0.0f, epsilon;
-  int32_t x_zero_point;
+  Quantizer quant;  // x's codes: x_scale, x_zero_point
+  float lo = 0.0f, hi = 0.0f, epsilon;
 
   W8Kernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
-    x_scale = ki.GetAttribute<float>("x_scale");
-    x_zero_point = static_cast<int32_t>(ki.GetAttribute<int64_t>("x_zero_point"));
-    if (!(x_scale > 0.0f) || x_zero_point < 0 || x_zero_point > 255)
+    quant.scale = ki.GetAttribute<float>("x_scale");
+    const int64_t zero_point = ki.GetAttribute<int64_t>("x_zero_point");
+    if (!(quant.scale > 0.0f) || zero_point < 0 || zero_point > 255)
       throw Ort::Exception("W8A8MatMul: x_scale must be positive and x_zero_point in 0..255", ORT_INVALID_ARGUMENT);
+    quant.zero_point = static_cast<int32_t>(zero_point);
     lo = attribute_or<float>(ki, "lo", 0.0f);  // the correction's, when it has a weight table
     hi = attribute_or<float>(ki, "hi", 0.0f);
     epsilon = attribute_or<float>(ki, "epsilon", 0.0f);  // the optional norm's
@@ -1735,9 +1736,6 @@ struct W8Kernel {
     }
     codes.resize(static_cast<size_t>(k));
     a.assign(static_cast<size_t>(k + k % 2), 0);
-    Quantizer quant;
-    quant.scale = x_scale;
-    quant.zero_point = x_zero_point;
     parts.resize(static_cast<size_t>(k + k % 2));
     // kW8Splits ranges of rows (one for a small matrix), so that there are tasks for the threads and each reads
     // whole rows of weights in order
@@ -1746,18 +1744,18 @@ struct W8Kernel {
     const int64_t splits = parallel ? std::min(kW8Splits, pairs) : 1, split_pairs = (pairs + splits - 1) / splits;
     // the codes' high parts: (a - lo) / 16 for a in -zero_point..255 - zero_point; 8 at most in magnitude when the zero
     // point is 120..136, and then a pair's sum, 2 * 255 * 8 at most, can be added 8 times in int16
-    const int64_t flush = x_zero_point >= 120 && x_zero_point <= 136 ? kW8Pairs : kW8Pairs / 2;
+    const int64_t flush = quant.zero_point >= 120 && quant.zero_point <= 136 ? kW8Pairs : kW8Pairs / 2;
     thread_local std::vector<int32_t> partial;
     partial.resize(static_cast<size_t>(splits * n));
     W8Job job{a.data(), parts.data(), static_cast<const uint8_t*>(w.GetTensorRawData()), partial.data(), k, n, splits, split_pairs, flush,
-              n <= kW8Near ? 2 * flush * n : kW8Ahead, static_cast<uint8_t>(wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 ? 0x80 : 0), 0, x_scale,
+              n <= kW8Near ? 2 * flush * n : kW8Ahead, static_cast<uint8_t>(wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 ? 0x80 : 0), 0, quant.scale,
               w_scale.GetTensorData<float>(), scales != 1, nullptr};
     const size_t finishes = static_cast<size_t>((n + kW8Finish - 1) / kW8Finish);
     for (int64_t r = 0; r < rows; ++r) {
       quantize_row(xs + r * k, k, quant, codes.data());
       job.total = 0;
       for (int64_t i = 0; i < k; ++i) {
-        a[static_cast<size_t>(i)] = static_cast<int16_t>(codes[static_cast<size_t>(i)] - x_zero_point);
+        a[static_cast<size_t>(i)] = static_cast<int16_t>(codes[static_cast<size_t>(i)] - quant.zero_point);
         job.total += a[static_cast<size_t>(i)];
       }
       for (int64_t i = 0; i < k; i += 2) {  // (a - lo) / 16 and lo, lo in -8..7, for each pair of codes (see w8_rows)
