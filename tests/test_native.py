@@ -599,6 +599,17 @@ def test_swiglu_against_numpy(native_kernels):
     np.testing.assert_allclose(y, ref, rtol=2e-6, atol=1e-30)
 
 
+def _rms_norm(x: np.ndarray, g: np.ndarray, epsilon: float, library) -> np.ndarray:
+    """llmc's RMSNorm op over the rows of x: the normalised input a projection with a norm input must see."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    node = helper.make_node("RMSNorm", ["x", "g"], ["xn"], domain="ai.llmc", epsilon=epsilon)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                              [helper.make_tensor_value_info("xn", TensorProto.FLOAT, None)], [numpy_helper.from_array(g, "g")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)])
+    return _session(model, library).run(None, {"x": x})[0]
+
+
 def _block_q_model(op: str, k: int, n: int, x_width: int, weights: dict, digits: int, **attrs):
     from onnx import TensorProto, helper, numpy_helper
 
@@ -687,7 +698,6 @@ def test_block_q_matmul_normalises_its_input(native_kernels):
     """With a norm weight (input 5) and epsilon, BlockQMatMul computes what llmc's RMSNorm followed by
     BlockQMatMul computes, bit for bit, over rows of a width not in whole vectors of 16; a norm of another
     width is an error naming it."""
-    from onnx import TensorProto, helper
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
 
     from llmc.ops import folded_blocks
@@ -698,12 +708,7 @@ def test_block_q_matmul_normalises_its_input(native_kernels):
     w = _block_q_weights(rng, n, k // 32, True)
     g = rng.uniform(0.5, 2.0, k0).astype(np.float32)
     x = (rng.standard_normal((3, k0)) * 4).astype(np.float32)
-    norm = helper.make_node("RMSNorm", ["x", "g"], ["xn"], domain="ai.llmc", epsilon=0.5)
-    graph = helper.make_graph([norm], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, k0]),
-                                            helper.make_tensor_value_info("g", TensorProto.FLOAT, [k0])],
-                              [helper.make_tensor_value_info("xn", TensorProto.FLOAT, None)])
-    xn = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]),
-                  native_kernels).run(None, {"x": x, "g": g})[0]
+    xn = _rms_norm(x, g, 0.5, native_kernels)
     two_ops = _session(_block_q_model("BlockQMatMul", k, n, k0, w, digits), native_kernels).run(None, {"x": xn})[0]
     fused = _session(_block_q_model("BlockQMatMul", k, n, k0, {**w, "norm": g}, digits, epsilon=0.5), native_kernels)
     np.testing.assert_array_equal(fused.run(None, {"x": x})[0], two_ops)
@@ -786,19 +791,13 @@ def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table):
     x = (_outliers(rng, (rows, k), 0.05, lo, hi) * 3).astype(np.float32)
     r = rng.standard_normal((rows, n)).astype(np.float32)
     attrs = {"x_scale": 0.006, "x_zero_point": 128}
-    norm = helper.make_node("RMSNorm", ["x", "g"], ["xn"], domain="ai.llmc", epsilon=0.25)
-    graph = helper.make_graph([norm], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])],
-                              [helper.make_tensor_value_info("xn", TensorProto.FLOAT, None)], [numpy_helper.from_array(g, "g")])
-    xn = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]),
-                  native_kernels).run(None, {"x": x})[0]
+    xn = _rms_norm(x, g, 0.25, native_kernels)
     assert (np.abs(xn) > hi).any()  # some outliers
     base = _session(_w8_model(k, n, w, **attrs), native_kernels).run(None, {"x": xn})[0]
-    from onnx import helper as h
-
-    corr = h.make_node("ShadowCorrection", ["x", "wt", "base", "residual"], ["y"], domain="ai.llmc", lo=lo, hi=hi)
-    cg = h.make_graph([corr], "c", [h.make_tensor_value_info(v, TensorProto.FLOAT, [rows, c]) for v, c in (("x", k), ("base", n), ("residual", n))],
-                      [h.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(wt, "wt")])
-    three_ops = _session(h.make_model(cg, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("ai.llmc", 1)]),
+    corr = helper.make_node("ShadowCorrection", ["x", "wt", "base", "residual"], ["y"], domain="ai.llmc", lo=lo, hi=hi)
+    inputs = [helper.make_tensor_value_info(v, TensorProto.FLOAT, [rows, c]) for v, c in (("x", k), ("base", n), ("residual", n))]
+    graph = helper.make_graph([corr], "c", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(wt, "wt")])
+    three_ops = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]),
                          native_kernels).run(None, {"x": xn, "base": base, "residual": r})[0]
     fused = _session(_w8_model(k, n, {**w, "wt": wt, "norm": g}, residual=True, lo=lo, hi=hi, epsilon=0.25, **attrs), native_kernels)
     np.testing.assert_array_equal(fused.run(None, {"x": x, "residual": r})[0], three_ops)
