@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1542,14 +1543,19 @@ struct MatVecOp : Ort::CustomOpBase<MatVecOp, MatVecKernel> {
 //
 // The op is bound by reading w once, a byte a weight, as it is stored ([K, N]: no packed copy of the weights the
 // chunk graphs' MatMulIntegerToFloat reads too). Whole rows are read in order: tasks on ONNX Runtime's threads are
-// ranges of rows (kW8Splits; the LM head's too), each summing its rows into int32 sums of all N columns, which are
+// ranges of rows (w8_splits; the LM head's too), each summing its rows into int32 sums of all N columns, which are
 // then added up and scaled. A range goes down its rows kW8Pairs pairs at a time, across all columns 64 at a time:
-// two rows' bytes interleaved (unpack), multiplied by the two codes' parts and pair-added (vpmaddubsw, see w8_rows),
-// while the lines of the next pairs are fetched ahead.
+// two rows' bytes interleaved (unpack), multiplied by the two codes' parts and pair-added (vpmaddubsw, see w8_rows).
+// Meanwhile the range's next block of rows (contiguous in memory) is fetched into cache in address order, a slice per
+// 64 columns: the block's own loads go down 16 rows at a time and keep fewer lines in flight than one linear stream.
 
-constexpr int64_t kW8Splits = 4;  // row ranges of a matrix (their int32 sums added after)
-constexpr int64_t kW8Near = 4096;  // widths up to which the lines fetched ahead are the next pairs' (else further along)
-constexpr int64_t kW8Ahead = 512;  // bytes ahead along a row fetched into cache, past kW8Near
+// Row ranges of a matrix (their int32 sums added after): one for each of the machine's CPUs (ONNX Runtime's threads by
+// default), so that a thread reads one range start to end and fetches each next block ahead. Measured on 2 CPUs
+// (SmolLM2's decode), 2 ranges beat 4: a range's first block is not fetched ahead.
+int64_t w8_splits() {
+  static const int64_t splits = std::clamp<int64_t>(static_cast<int64_t>(std::thread::hardware_concurrency()), 2, 64);
+  return splits;
+}
 
 struct W8Job {
   const int16_t* a;      // the row's codes less the zero point, K rounded up to even (a zero after an odd K's last)
@@ -1557,7 +1563,6 @@ struct W8Job {
   const uint8_t* w;      // [K, N] bytes: int8, or uint8 offset by 128; each read as w + 128 (flip: int8's top bit turned)
   int32_t* partial;      // [splits, N]: each row range's sums of a * (w + 128), blocks of 64 columns in interleave order
   int64_t k, n, splits, split_pairs, flush;  // split_pairs: row pairs per range (the last may have fewer)
-  int64_t ahead;  // bytes past a row's line to fetch into cache: the next pairs' (up to kW8Near columns), or further along
   uint8_t flip;
   int32_t total;  // sum(a)
   float x_scale;
@@ -1577,9 +1582,9 @@ constexpr int64_t kW8Pairs = 8;  // row pairs summed in int16 at most before the
 // and each weight read as the unsigned w + 128 (its top bit turned), so that a byte multiply-add of two rows' weights
 // by two codes' parts (vpmaddubsw, unsigned by signed) cannot saturate: at most 2 * 255 * 16 (hi is in -8..8 for a
 // zero point of 128, -16..16 at most). The pairs are summed in int16 (job.flush pairs at a time: 8, or 4 where hi
-// can reach beyond 8), then lo + 16 * hi is widened to int32 (vpmaddwd by (1, 16)). The lines job.ahead bytes past
-// the rows' are fetched into cache meanwhile.
-inline void w8_rows(const W8Job& job, int64_t p0, int64_t p1, int64_t c0, int32_t* acc, bool first) {
+// can reach beyond 8), then lo + 16 * hi is widened to int32 (vpmaddwd by (1, 16)). Meanwhile the 2 * (p1 - p0)
+// lines at next (the next block's slice for these columns, or none) are fetched into cache.
+inline void w8_rows(const W8Job& job, int64_t p0, int64_t p1, int64_t c0, int32_t* acc, bool first, const char* next) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(job.flip));
   const int64_t n = job.n;
   __m256i s[8] = {};  // per 32 columns: the rows' low interleave by hi, by lo; their high interleave by hi, by lo
@@ -1587,9 +1592,9 @@ inline void w8_rows(const W8Job& job, int64_t p0, int64_t p1, int64_t c0, int32_
     const int64_t k = 2 * p;
     const uint8_t* r0 = job.w + k * n + c0;
     const uint8_t* r1 = k + 1 < job.k ? r0 + n : r0;  // an odd K's last row pairs with itself, times a zero code
-    if (k + 2 * job.flush + 1 < job.k) {
-      _mm_prefetch(reinterpret_cast<const char*>(r0 + job.ahead), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(r1 + job.ahead), _MM_HINT_T0);
+    if (next != nullptr) {
+      _mm_prefetch(next + 128 * (p - p0), _MM_HINT_T0);
+      _mm_prefetch(next + 128 * (p - p0) + 64, _MM_HINT_T0);
     }
     const __m256i h = _mm256_set1_epi16(job.parts[2 * p]), l = _mm256_set1_epi16(job.parts[2 * p + 1]);
 #pragma GCC unroll 2
@@ -1659,7 +1664,10 @@ void w8_task(void* data, size_t t) {
   const int64_t whole = n / 64 * 64;
   for (int64_t p0 = q0; p0 < q1; p0 += job.flush) {  // job.flush pairs of rows across all columns, each row's bytes in order
     const int64_t p1 = std::min(q1, p0 + job.flush);
-    for (c = 0; c < whole; c += 64) w8_rows(job, p0, p1, c, acc + c, p0 == q0);
+    // the next block, if it is whole: its 2 * flush * n bytes in whole / 64 slices of 128 * flush (the lines past whole
+    // columns are not fetched ahead)
+    const char* next = p1 + job.flush <= q1 ? reinterpret_cast<const char*>(job.w + 2 * p1 * n) : nullptr;
+    for (c = 0; c < whole; c += 64) w8_rows(job, p0, p1, c, acc + c, p0 == q0, next != nullptr ? next + 2 * job.flush * c : nullptr);
   }
   c = whole;
 #endif
@@ -1737,18 +1745,18 @@ struct W8Kernel {
     codes.resize(static_cast<size_t>(k));
     a.assign(static_cast<size_t>(k + k % 2), 0);
     parts.resize(static_cast<size_t>(k + k % 2));
-    // kW8Splits ranges of rows (one for a small matrix), so that there are tasks for the threads and each reads
+    // w8_splits() ranges of rows (one for a small matrix), so that there are tasks for the threads and each reads
     // whole rows of weights in order
     const int64_t pairs = (k + 1) / 2;
     const bool parallel = static_cast<size_t>(n * k) >= kParallelWork;
-    const int64_t splits = parallel ? std::min(kW8Splits, pairs) : 1, split_pairs = (pairs + splits - 1) / splits;
+    const int64_t splits = parallel ? std::min(w8_splits(), pairs) : 1, split_pairs = (pairs + splits - 1) / splits;
     // the codes' high parts: (a - lo) / 16 for a in -zero_point..255 - zero_point; 8 at most in magnitude when the zero
     // point is 120..136, and then a pair's sum, 2 * 255 * 8 at most, can be added 8 times in int16
     const int64_t flush = quant.zero_point >= 120 && quant.zero_point <= 136 ? kW8Pairs : kW8Pairs / 2;
     thread_local std::vector<int32_t> partial;
     partial.resize(static_cast<size_t>(splits * n));
     W8Job job{a.data(), parts.data(), static_cast<const uint8_t*>(w.GetTensorRawData()), partial.data(), k, n, splits, split_pairs, flush,
-              n <= kW8Near ? 2 * flush * n : kW8Ahead, static_cast<uint8_t>(wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 ? 0x80 : 0), 0, quant.scale,
+              static_cast<uint8_t>(wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 ? 0x80 : 0), 0, quant.scale,
               w_scale.GetTensorData<float>(), scales != 1, nullptr};
     const size_t finishes = static_cast<size_t>((n + kW8Finish - 1) / kW8Finish);
     for (int64_t r = 0; r < rows; ++r) {
