@@ -100,6 +100,10 @@ def cli(verbose: int) -> None:
                    "quantization and residual adds; the decode graph then also prefills in chunks over an int8 KV cache or in a "
                    "sliding window; the bundle needs `llmc kernels build` run where it runs).")
 @click.option("--weight-granularity", type=click.Choice(["channel", "tensor"]), default="channel", show_default=True, help="[npu] int8 weight scales per output channel or per tensor.")
+@click.option("--weight-bits", type=click.Choice(["8", "7"]), default="8", show_default=True,
+              help="[npu] Bits of the int8 weights' codes: 8 ([-127, 127]), or 7 ([-63, 63]), which ONNX Runtime's fast uint8 x int8 "
+                   "kernels compute exactly on x86 CPUs without VNNI (where 8-bit codes need its slower uint8 x uint8 ones): faster CPU "
+                   "prefill for a little accuracy (docs/quantization.md).")
 @click.option("--profile", "profile", default=None,
               help="Device profile the cost model plans for (see `llmc profiles`; a name or a .json path). Default: the --soc, "
                    "else this machine's `host` profile when measured, else 8gen3.")
@@ -115,7 +119,7 @@ def cli(verbose: int) -> None:
 @click.option("--quiet", is_flag=True, help="No progress display.")
 @_guard
 def compile(model, out, target, weights, kv_cache, soc, qnn_shard_mb, qnn_shard_graphs, mlir_dialect, repro_dir, chunk, max_context, pipeline, dump_ir, time_passes, calib_file, calib_tokens, no_shadow, clip_percentile,
-            shadow_keep, pruned_percentile, hot_budget, smooth_alpha, cpu_kernels, weight_granularity, profile, placement, prompt_len, memory_budget, prefetch_depth, cache_dir, no_cache, quiet):
+            shadow_keep, pruned_percentile, hot_budget, smooth_alpha, cpu_kernels, weight_granularity, weight_bits, profile, placement, prompt_len, memory_budget, prefetch_depth, cache_dir, no_cache, quiet):
     """Compile MODEL into a bundle.
 
     MODEL is the bundled name `smollm2-135m`, a HuggingFace model directory, a .gguf
@@ -154,7 +158,7 @@ def compile(model, out, target, weights, kv_cache, soc, qnn_shard_mb, qnn_shard_
         qnn_shard_graphs=qnn_shard_graphs, weight_format=weights, kv_cache=kv_cache, cpu_kernels=cpu_kernels,
         calib_file=calib_file, calib_tokens=calib_tokens, cache_dir=cache_dir, shadow=not no_shadow, clip_percentile=clip_percentile,
         shadow_keep=shadow_keep, pruned_percentile=None if pruned_percentile >= 100 else pruned_percentile, hot_budget=hot_budget,
-        smooth_alpha=smooth_alpha, weight_granularity=weight_granularity, profile=profile, placement=placement, prompt_len=prompt_len, memory_budget=memory_budget, prefetch_depth=prefetch_depth,
+        smooth_alpha=smooth_alpha, weight_granularity=weight_granularity, weight_bits=int(weight_bits), profile=profile, placement=placement, prompt_len=prompt_len, memory_budget=memory_budget, prefetch_depth=prefetch_depth,
         explicit=explicit,
     )
     if time_passes:
@@ -545,6 +549,7 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
         "max_context": m["max_context"],
         "pipeline": m["pipeline"],
         "cpu_kernels": m.get("cpu_kernels", "onnx"),
+        "weight_bits": m.get("weight_bits"),  # of the W8A8 weights' codes (None: no quantize pass)
         "weights": {"count": len(m["weights"]), "bytes": weight_bytes, "files": sorted({w["file"] for w in m["weights"].values()})},
         "graphs": {
             name: {"instances": sorted(int(r) for r in g["instances"]), "inputs": [f"{i['name']}[{i['features']}]" for i in g["inputs"]],
@@ -579,7 +584,8 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
     click.echo(f"source     {mi['source']}")
     click.echo(f"target     {m['target']}   chunk {m['chunk']}   max-context {m['max_context']}")
     click.echo(f"pipeline   {m['pipeline']}")
-    click.echo(f"weights    {len(m['weights'])} tensors, {weight_bytes / 1e6:.1f} MB, stored once in {', '.join(summary['weights']['files'])}")
+    click.echo(f"weights    {len(m['weights'])} tensors, {weight_bytes / 1e6:.1f} MB, stored once in {', '.join(summary['weights']['files'])}"
+               + (f"; W8A8 codes of {m['weight_bits']} bits" if m.get("weight_bits") else ""))
     kvc = summary["kv_cache"]
     click.echo(f"kv cache   {kvc['dtype']}{' (per-channel scales, quantize_kv_cache)' if kvc['dtype'] == 'int8' else ''}, "
                f"{kvc['bytes_per_position'] / 1e3:.1f} kB per position, {kvc['bytes'] / 1e6:.1f} MB at max-context {m['max_context']}")

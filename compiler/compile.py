@@ -48,6 +48,7 @@ _READ_BY = {
     "hot_budget": ("--hot-budget", ("extract_shadow_outliers",), _NPU),
     "smooth_alpha": ("--smooth-alpha", ("smooth_activations",), _NPU),
     "weight_granularity": ("--weight-granularity", ("quantize",), _NPU),
+    "weight_bits": ("--weight-bits", ("quantize",), _NPU),
     "calib_file": ("--calib", _CALIBRATION, _NPU + " and --kv-cache int8"),
     "calib_tokens": ("--calib-tokens", _CALIBRATION, _NPU + " and --kv-cache int8"),
     "memory_budget": ("--memory-budget", ("plan_offload",), _COST),
@@ -174,7 +175,7 @@ def compile_model(
     bundle and, next to it, every static subgraph as ``mlir_dialect`` MLIR.
     ``quant_options`` are the quantization fields of :class:`CompileOptions`
     (calib_file, calib_tokens, cache_dir, shadow, clip_percentile, shadow_keep,
-    pruned_percentile, hot_budget, weight_granularity); they matter for ``target="npu"``.
+    pruned_percentile, hot_budget, weight_granularity, weight_bits); they matter for ``target="npu"``.
     ``weight_format="int4"`` (``target="cpu"`` only) runs the ``cpu-int4`` pipeline: weight-only
     int4 Linears (``quantize_int4``). ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
     ``calibrate`` where the pipeline has none, see :func:`with_kv_cache`): an int8 KV cache.
@@ -218,6 +219,10 @@ def compile_model(
             qnn_skip = qnn_available()
     default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
     check_kv_cache_format(kv_cache)
+    from llmc.passes.quantize import WEIGHT_BITS
+
+    if quant_options.get("weight_bits", 8) not in WEIGHT_BITS:
+        raise CompileError(f"--weight-bits {quant_options['weight_bits']!r} is not available", hint="choose one of: " + ", ".join(map(str, WEIGHT_BITS)))
     if cpu_kernels not in CPU_KERNELS:
         raise CompileError(f"unknown --cpu-kernels {cpu_kernels!r}", hint="choose one of: " + ", ".join(CPU_KERNELS))
     if pipeline is not None and not pipeline.strip():
@@ -349,6 +354,8 @@ def compile_model(
         }
         if native:
             manifest["cpu_kernels"] = "native"
+        if "quantize" in names:
+            manifest["weight_bits"] = options.weight_bits  # the runtime's int8 kernels (llmc.runtime.cpu)
         if decode_plan is not None:
             manifest["decode_program"] = _program(graph, decode_plan)
         if decode_graph is not None:
@@ -418,6 +425,7 @@ def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) ->
             "hot_channels": len(q.hot_channels),
             "resident_shadow_bytes": hot_bytes,
             "weight_granularity": ctx.options.weight_granularity,
+            "weight_bits": ctx.options.weight_bits,
         })
     kept = sum(1 for q in plan.inputs.values() if q.shadow)
     report = {
@@ -426,7 +434,8 @@ def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) ->
             "activations": "uint8 per tensor (zero point 128) at every Linear input; everything else float32 "
                            "(8-bit norms/residual/activations measured: +49% / unusable / x6 perplexity; docs/quantization.md)"
                            + ("; the KV cache int8 (kv_cache)" if ctx.has(KVCachePlan) else ""),
-            "weights": f"int8 symmetric per {ctx.options.weight_granularity}",
+            "weights": f"int8 symmetric per {ctx.options.weight_granularity}, codes in "
+                       + ("[-127, 127]" if ctx.options.weight_bits == 8 else "[-63, 63] (--weight-bits 7)"),
             "shadow": plan.enabled,
             "clip_percentile": plan.percentile if plan.enabled else None,
             "shadow_keep_fraction": plan.keep_fraction,

@@ -49,6 +49,7 @@ class CompileOptions:
     hot_budget: float = 0.01  # resident float shadow rows, as a fraction of the int8 weight bytes
     smooth_alpha: float | None = None  # smooth_activations' migration strength (SmoothQuant's alpha); None = the pass's default
     weight_granularity: str = "channel"  # "channel" | "tensor"
+    weight_bits: int = 8  # 8 (codes in [-127, 127]) | 7 ([-63, 63]: exact in x86 u8 x s8 kernels without VNNI)
     # cost model, placement, schedule, offload
     placement: str = "auto"  # "auto" (cost model) | "npu" (every static subgraph) | "cpu"
     profile: str = "8gen3"  # device profile (llmc.device_profile); compile_model picks --profile, --soc, else host when measured

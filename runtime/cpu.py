@@ -10,7 +10,9 @@ the VNNI ones at a prefill chunk's rows (SmolLM2 shapes, 256 rows).
 The ONNX backend emits W8A8 weights as int8; a session on a CPU without VNNI
 sets ``session.x64quantprecision``, so that ONNX Runtime turns each constant
 int8 weight back into uint8 (its ``Avx2WeightS8ToU8Transformer``) and keeps the
-exact kernels. ONNX Runtime's own test for that option
+exact kernels. A bundle compiled with ``--weight-bits 7`` has codes in [-63, 63],
+whose pairs of products cannot saturate (2 * 255 * 63 = 32130): its sessions keep
+the int8 weights on the fast kernels on every CPU. ONNX Runtime's own test for that option
 (``MlasPlatformU8S8Overflow``) is true on every x86 CPU with AVX2, VNNI or not,
 so the runtime decides itself, from the CPU flags the kernel reports. Weights
 fed at run time are uint8 already (a memory-budgeted bundle's) or cast to uint8
@@ -79,6 +81,13 @@ def session_kwargs() -> dict:
     return {"disabled_optimizers": list(DISABLED_OPTIMIZERS)}
 
 
-def int8_session_options(so) -> None:
-    """Keep a session's int8 weights on this CPU's exact kernels (see the module docstring)."""
-    so.add_session_config_entry("session.x64quantprecision", "0" if u8s8_is_exact() else "1")
+def u8s8_exact_for(weight_bits: int = 8) -> bool:
+    """Whether ONNX Runtime's uint8 x int8 kernels are exact on this CPU for int8 weights of ``weight_bits``
+    bits: always for 7 (no pair of products reaches the int16 limit), else as :func:`u8s8_is_exact`."""
+    return weight_bits <= 7 or u8s8_is_exact()
+
+
+def int8_session_options(so, weight_bits: int = 8) -> None:
+    """Keep a session's int8 weights (codes of ``weight_bits`` bits) on this CPU's exact kernels, the
+    fastest exact ones (see the module docstring)."""
+    so.add_session_config_entry("session.x64quantprecision", "0" if u8s8_exact_for(weight_bits) else "1")

@@ -26,7 +26,7 @@ import numpy as np
 
 from llmc.runtime import kernels, native
 from llmc.runtime.binding import BoundGraph
-from llmc.runtime.cpu import int8_session_options, session_kwargs, u8s8_is_exact
+from llmc.runtime.cpu import int8_session_options, session_kwargs, u8s8_exact_for
 from llmc.runtime.decode_graph import ChunkGraphRunner, DecodeGraphRunner
 from llmc.runtime.errors import BundleError, PromptError, PromptTooLongError, ProviderError, TokenIdError
 from llmc.runtime.manifest import SHAPE_ERRORS, load_manifest, map_weights, resolve_inside, shape_error
@@ -177,6 +177,10 @@ class Session:
         self._threads = threads or os.cpu_count() or 1
         # a bundle compiled with --cpu-kernels native: its CPU graphs hold llmc's native ops (the library, or a named error now)
         self.native_kernels = native.require_library() if m.get("cpu_kernels") == "native" else None
+        self.weight_bits = m.get("weight_bits", 8)  # of the W8A8 weights' codes (--weight-bits): which int8 kernels are exact
+        if self.weight_bits not in (7, 8):
+            raise BundleError(f"{self.bundle}: manifest says weight_bits {self.weight_bits!r}; a bundle's W8A8 weights have 7 or 8 bits",
+                              hint="the manifest was edited or damaged: compile the bundle again")
         # budgeted bundles: resident arrays + row tables, streamed weights fed per run
         self.residency = Residency(self.bundle, m, prefetch=prefetch) if "offload" in m else None
         self._weights: dict[str, Any] = self.residency.weights if self.residency else map_weights(self.bundle, m["weights"])
@@ -313,14 +317,14 @@ class Session:
     @property
     def int8_kernels(self) -> str | None:
         """Which ONNX Runtime CPU kernels multiply the W8A8 weights of the graphs the CPU runs: ``"u8s8"``
-        (int8 weights, on a CPU where those kernels are exact: :mod:`llmc.runtime.cpu`), ``"u8u8"`` (uint8
+        (int8 weights, on a CPU where those kernels are exact, or of 7 bits: :mod:`llmc.runtime.cpu`), ``"u8u8"`` (uint8
         weights: stored so, fed at run time, or rewritten by ONNX Runtime), or None (no W8A8 weights)."""
         names = {n for n in self.manifest["weights"] if n.endswith(".q8")}
         if not names:
             return None
         fed = {n for g in self.graphs.values() for key in ("streamed", "fed") for n in g.get(key, ())}
         constant_int8 = all(self.manifest["weights"][n]["dtype"] == "int8" and n not in fed for n in names)
-        return "u8s8" if constant_int8 and u8s8_is_exact() else "u8u8"
+        return "u8s8" if constant_int8 and u8s8_exact_for(self.weight_bits) else "u8u8"
 
     @property
     def counts_outliers(self) -> bool:
@@ -450,7 +454,7 @@ class Session:
         # of sleeping and being woken (SmolLM2, same-process A/B at ~400 tokens:
         # int4 108 vs 74 tok/s, W8A8 67 vs 49; without spinning one thread beat two).
         spin = graph == self._decode_graph
-        int8_session_options(so)
+        int8_session_options(so, self.weight_bits)
         if self.native_kernels is not None:
             so.register_custom_ops_library(str(self.native_kernels))
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")

@@ -63,6 +63,16 @@ def test_session_options_follow_the_answer(monkeypatch, value, setting):
     assert so.entries == {"session.x64quantprecision": setting}
 
 
+@pytest.mark.parametrize("value", ["vnni", "u8u8"])
+def test_seven_bit_weights_stay_on_the_u8s8_kernels(monkeypatch, value):
+    """Codes in [-63, 63] (--weight-bits 7) cannot saturate u8 x s8: int8 weights on every CPU; 8-bit ones as the CPU allows."""
+    monkeypatch.setenv(cpu.ENV, value)
+    so = _Options()
+    cpu.int8_session_options(so, 7)
+    assert so.entries == {"session.x64quantprecision": "0"}
+    assert cpu.u8s8_exact_for(7) and cpu.u8s8_exact_for(8) is (value == "vnni")
+
+
 VNNI = cpu.vnni_kernels(cpu.cpu_flags())
 
 

@@ -202,6 +202,23 @@ def test_quantize_weight_roundtrip():
     assert s.shape == (1,)
 
 
+def test_quantize_weight_in_seven_bits():
+    """--weight-bits 7: codes in [-63, 63], each channel's largest at 63, scale = max |w| / 63, rounded to the nearest;
+    the uint8 form is the same codes plus 128; other widths are refused."""
+    from llmc.passes.quantize import FED_ZERO_POINT, quantize_weight
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((5, 40)).astype(np.float32)
+    q, s = quantize_weight(w, per_channel=True, bits=7)
+    np.testing.assert_array_equal(s, (np.abs(w).max(axis=1) / 63.0).astype(np.float32))
+    assert q.dtype == np.int8 and q.min() >= -63 and q.max() <= 63 and np.abs(q).max(axis=0).tolist() == [63] * 5
+    np.testing.assert_array_equal(q, np.rint(w / s[:, None]).astype(np.int8).T)
+    u, _ = quantize_weight(w, per_channel=True, offset=FED_ZERO_POINT, bits=7)
+    np.testing.assert_array_equal(u.astype(np.int16) - 128, q)
+    with pytest.raises(ValueError, match="weight bits 6"):
+        quantize_weight(w, per_channel=True, bits=6)
+
+
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_quantize_weight_in_blocks_matches_whole_matrix(per_channel, monkeypatch):
     """Blocks of rows (bounded temporaries) give exactly the whole-matrix formula's values."""
@@ -227,36 +244,59 @@ def npu_bundles(tmp_path_factory, model_dirs, calib_file):
 
     root = tmp_path_factory.mktemp("npu")
     out = {}
-    for name, kw in {"shadow": {}, "noshadow": {"shadow": False}, "tensor": {"weight_granularity": "tensor"}}.items():
+    for name, kw in {"shadow": {}, "noshadow": {"shadow": False}, "tensor": {"weight_granularity": "tensor"}, "bits7": {"weight_bits": 7}}.items():
         out[name] = root / name
         compile_model(str(model_dirs("llama")), out[name], target="npu", chunk=CHUNK, max_context=MAX_CONTEXT,
                       calib_file=str(calib_file), calib_tokens=256, **kw)
     return out
 
 
-@pytest.mark.parametrize("granularity, kernels", [("channel", None), ("tensor", None), ("channel", "u8u8")])
-def test_npu_bundle_runs_integer_graphs_exactly(npu_bundles, model_dirs, calib_file, granularity, kernels, monkeypatch):
+def test_a_manifest_with_other_weight_bits_is_refused(npu_bundles, tmp_path):
+    """The manifest names the weights' bits, which pick the int8 kernels: a value no compile writes is a named BundleError."""
+    import shutil
+
+    from conftest import write_manifest
+
+    from llmc.runtime import Session
+    from llmc.runtime.errors import BundleError
+
+    root = tmp_path / "bundle"
+    shutil.copytree(npu_bundles["bits7"], root)
+    m = json.loads((root / "manifest.json").read_text())
+    assert m["weight_bits"] == 7 and json.loads((npu_bundles["shadow"] / "manifest.json").read_text())["weight_bits"] == 8
+    m["weight_bits"] = 4
+    write_manifest(root, m)
+    with pytest.raises(BundleError, match="weight_bits 4"):
+        Session(root)
+
+
+@pytest.mark.parametrize("granularity, kernels, bits", [("channel", None, 8), ("tensor", None, 8), ("channel", "u8u8", 8), ("channel", "u8u8", 7)])
+def test_npu_bundle_runs_integer_graphs_exactly(npu_bundles, model_dirs, calib_file, granularity, kernels, bits, monkeypatch):
     """ONNX Runtime's integer kernels give what the IR's fake-quant semantics say (the
     AVX2 u8 x s8 saturation this guards against would show up here), with per-channel weight
     scales and with one per tensor (a scalar in the graphs), in prefill and in decode; on the
-    kernels the runtime picks for this CPU, and on the u8 x u8 ones it picks without VNNI."""
+    kernels the runtime picks for this CPU, and on the u8 x u8 ones it picks without VNNI. A bundle
+    of 7-bit weights runs on the u8 x s8 kernels on every CPU, without VNNI too, exactly."""
     from llmc.interpreter import Interpreter
     from llmc.runtime import Session, cpu
 
     if kernels:
         monkeypatch.setenv(cpu.ENV, kernels)
 
-    g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_file), weight_granularity=granularity)
+    g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_file), weight_granularity=granularity, weight_bits=bits)
     _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
     ids = [int(t) for t in np.random.default_rng(3).integers(4, 120, size=2 * CHUNK + 3)]
     ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
-    s = Session(npu_bundles["shadow" if granularity == "channel" else "tensor"])
+    s = Session(npu_bundles["bits7" if bits == 7 else "shadow" if granularity == "channel" else "tensor"])
+    assert s.weight_bits == bits and s.int8_kernels == ("u8s8" if bits == 7 else "u8u8" if kernels else s.int8_kernels)
     s.reset()
     got = s.prefill(ids, all_logits=True)
     np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max())
     s.reset()
     s.prefill(ids[:-1])
     np.testing.assert_allclose(s.decode(ids[-1]), ref[-1], atol=2e-3 * np.abs(ref).max())
+    wanted = "0" if bits == 7 or s.int8_kernels == "u8s8" else "1"  # the sessions ran on the kernels int8_kernels names
+    assert {o.get_session_options().get_session_config_entry("session.x64quantprecision") for o, _ in s._sessions.values()} == {wanted}
 
 
 def test_npu_bundle_close_to_fp32(npu_bundles, bundles):
@@ -354,3 +394,21 @@ def test_onnx_runtime_keeps_every_qlinear_integer(model_dirs, calib_file, family
                 assert all(types[n.input[1]] == weight_type for n in opt.node if n.op_type == "MatMulIntegerToFloat"), (name, rows, exact)
             checked += qlinears
     assert checked > 0
+
+
+def test_inspect_and_bench_show_seven_bit_weights(npu_bundles, monkeypatch):
+    """`llmc inspect` names the weights' bits, and `llmc bench` the u8 x s8 kernels a 7-bit bundle runs on a CPU without VNNI."""
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+    from llmc.runtime import cpu
+
+    monkeypatch.setenv(cpu.ENV, "u8u8")  # a CPU whose u8 x s8 kernels saturate 8-bit codes
+    root = str(npu_bundles["bits7"])
+    r = CliRunner().invoke(cli, ["inspect", root, "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["weight_bits"] == 7, r.output
+    assert "W8A8 codes of 7 bits" in CliRunner().invoke(cli, ["inspect", root]).output
+    r = CliRunner().invoke(cli, ["bench", root, "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["int8_kernels"] == "u8s8", r.output
+    r = CliRunner().invoke(cli, ["bench", str(npu_bundles["shadow"]), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["int8_kernels"] == "u8u8", r.output
