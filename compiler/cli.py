@@ -758,6 +758,9 @@ def bench(bundle, prompt_len, new_tokens, repeat, prompt_file, provider, threads
         click.echo(f"  kernels  llmc's native ops (--cpu-kernels native) from {r.native_kernels}")
     if r.int8_kernels:
         click.echo(f"  int8     {_INT8_KERNELS[r.int8_kernels]}")
+        if r.int8_kernels == "u8u8" and sess.weight_bits == 8 and not r.offload:
+            click.echo("  hint     this CPU's uint8 x int8 kernels would saturate 8-bit weight codes: a bundle compiled with "
+                       "--weight-bits 7 stays on them (faster prefill; docs/quantization.md)")
     if r.offload:
         o = r.offload
         click.echo(f"  offload  {o['resident_bytes'] / 1e6:.1f} MB resident, {o['buffer_bytes'] / 1e6:.1f} MB stream buffer "
@@ -766,7 +769,7 @@ def bench(bundle, prompt_len, new_tokens, repeat, prompt_file, provider, threads
                    f"waited {o['main_thread_wait_s']:.2f} s")
 
 
-_INT8_KERNELS = {"u8s8": "uint8 x int8 weights (exact on this CPU: x86 with VNNI, or not x86)",
+_INT8_KERNELS = {"u8s8": "uint8 x int8 weights (exact on this CPU: x86 with VNNI, or not x86, or 7-bit weight codes)",
                  "u8u8": "uint8 x uint8 weights (the exact kernels where u8 x s8 saturates, and for weights fed at run time)"}
 _PREFILL_PATHS = {"graph": "one call of the decode graph's chunk instance per chunk",
                   "cpu program": "the CPU program at chunk rows: a graph and an attention call per layer",

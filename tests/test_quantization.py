@@ -412,3 +412,6 @@ def test_inspect_and_bench_show_seven_bit_weights(npu_bundles, monkeypatch):
     assert r.exit_code == 0 and json.loads(r.output)["int8_kernels"] == "u8s8", r.output
     r = CliRunner().invoke(cli, ["bench", str(npu_bundles["shadow"]), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1", "--json"])
     assert r.exit_code == 0 and json.loads(r.output)["int8_kernels"] == "u8u8", r.output
+    for bundle, hint in ((npu_bundles["shadow"], True), (npu_bundles["bits7"], False)):  # 8-bit codes on u8 x u8: the text says what to do
+        r = CliRunner().invoke(cli, ["bench", str(bundle), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1"])
+        assert r.exit_code == 0 and ("--weight-bits 7" in r.output) == hint, r.output
