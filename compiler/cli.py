@@ -191,6 +191,8 @@ def _peak_rss_mb() -> float:
 @click.option("--target", type=click.Choice(["npu", "cpu"]), default="npu", show_default=True, help="Program shape to plan: W8A8 with shadow outliers (npu) or float32 (cpu).")
 @click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True, help="[cpu] Plan the int4 weight-only program (as compile --weights int4).")
 @click.option("--kv-cache", type=click.Choice(["float32", "int8"]), default="float32", show_default=True, help="Plan with an int8 KV cache (as compile --kv-cache int8).")
+@click.option("--weight-bits", type=click.Choice(["8", "7"]), default="8", show_default=True,
+              help="[npu] Plan 7-bit weight codes (as compile --weight-bits 7): CPU matmuls at the profile's cpu.int8_7bit_ops_per_s.")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C.")
 @click.option("--memory-budget", default=None,
               help="Plan weight offloading under this budget (e.g. 2GB, or 50%: of the weights the graphs read whole, not the tables read by row).")
@@ -199,7 +201,7 @@ def _peak_rss_mb() -> float:
               help="Fraction of Linear inputs that keep a shadow path (llm.npu prunes 85%: 0.15).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_guard
-def plan(model, profile, prompt_len, target, weights, kv_cache, chunk, memory_budget, prefetch_depth, shadow_keep, as_json):
+def plan(model, profile, prompt_len, target, weights, kv_cache, weight_bits, chunk, memory_budget, prefetch_depth, shadow_keep, as_json):
     """Predict MODEL's prefill and decode speed and memory on a device, from its config alone.
 
     MODEL is a shipped config name (qwen1.5-1.8b, gemma-2b, phi-2, llama-2-7b, mistral-7b),
@@ -210,7 +212,7 @@ def plan(model, profile, prompt_len, target, weights, kv_cache, chunk, memory_bu
     from llmc.units import format_size
 
     r = plan_model(model, profile=profile, prompt_len=prompt_len, target=target, chunk=chunk, memory_budget=memory_budget,
-                   prefetch_depth=prefetch_depth, shadow_keep=shadow_keep, weight_format=weights, kv_cache=kv_cache)
+                   prefetch_depth=prefetch_depth, shadow_keep=shadow_keep, weight_format=weights, kv_cache=kv_cache, weight_bits=int(weight_bits))
     d = r.as_dict()
     if as_json:
         click.echo(json.dumps(d, indent=1, sort_keys=True))

@@ -16,7 +16,9 @@ profile, ``max`` = roofline: a node is bound by compute or by memory traffic):
   a profile with the measured table ``cpu.int8_gemv_s`` interpolates it at
   (K, N) instead, see :func:`gemv_table_seconds`; in a one-row graph that reads
   under ``ONE_THREAD_BYTES``, which the runtime runs on one thread, the
-  one-thread table ``cpu.int8_gemv_1t_s``).
+  one-thread table ``cpu.int8_gemv_1t_s``). With ``--weight-bits 7`` the chunk rate is
+  ``cpu.int8_7bit_ops_per_s`` where the profile has it (a CPU without VNNI, whose faster
+  uint8 x int8 kernels are exact only for 7-bit codes).
   A ``Linear`` placed on the NPU of a target that quantizes is costed as QLinear.
 * ``BlockQLinear`` (CPU, weight-only b-bit codes in blocks of B): the bytes it
   reads, ``KN (b/8 + 8/B) / cpu.mem_bytes_per_s`` (``4/B`` for symmetric codes, which have no
@@ -91,6 +93,7 @@ class CostModel:
     quantized: bool = False
     decode_plan: DecodePlan | None = None
     decode_graph: DecodeGraph | None = None
+    weight_bits: int = 8  # of the QLinears' weight codes (--weight-bits): which CPU int8 rate applies
 
     @functools.cached_property
     def _subgraphs(self) -> dict[str, Subgraph]:
@@ -156,7 +159,8 @@ class CostModel:
                 table = (one_thread and p.tables.get("cpu.int8_gemv_1t_s")) or p.tables.get("cpu.int8_gemv_s")
                 # one pass of the weights through the integer kernel
                 floor = gemv_table_seconds(table, k, nout) if table else 2.0 * k * nout / gemv if gemv else 0.0
-                return max(ops / p["cpu.int8_ops_per_s"], k * nout / p["cpu.mem_bytes_per_s"], floor)
+                rate = (self.weight_bits == 7 and p.get("cpu.int8_7bit_ops_per_s")) or p["cpu.int8_ops_per_s"]
+                return max(ops / rate, k * nout / p["cpu.mem_bytes_per_s"], floor)
             return max(ops / p["cpu.fp32_flops_per_s"], 4.0 * k * nout / p["cpu.mem_bytes_per_s"])
         if op == "BlockQLinear":
             if proc != "cpu":

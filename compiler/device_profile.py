@@ -17,6 +17,8 @@ Keys (SI units: seconds, bytes, operations):
   ``attention_flops_per_s``, ``mem_bytes_per_s`` (streaming weights/activations),
   ``launch_s`` (fixed cost of one graph call) — required; ``op_launch_s``
   (fixed cost of a dynamic op such as attention; default ``launch_s``),
+  ``int8_7bit_ops_per_s`` (``int8_ops_per_s`` for weight codes of 7 bits, ``--weight-bits 7``,
+  where the CPU runs those on faster kernels; default ``int8_ops_per_s``),
   ``int8_gemv_ops_per_s`` (one-row int8 matmul rate, a floor on any int8
   weight pass; default: no floor), ``kv_bytes_per_s`` (one-row attention's
   K/V read rate; default ``mem_bytes_per_s``), ``node_s`` (fixed cost of each

@@ -11,6 +11,10 @@ model end to end:
   DequantizeLinear, per-channel int8 weights, MatMul; ONNX Runtime fuses it
   into an integer matmul, on the kernels the runtime picks for this CPU:
   :mod:`llmc.runtime.cpu`) over the same shapes, median;
+* ``cpu.int8_7bit_ops_per_s``: the same with weight codes in [-63, 63] (``--weight-bits
+  7``), which the runtime keeps on the uint8 x int8 kernels on every CPU; measured only
+  where those are not exact for 8-bit codes (x86 without VNNI: elsewhere the rate is
+  ``cpu.int8_ops_per_s``'s);
 * ``cpu.int8_gemv_ops_per_s``: the same QLinear pattern at one row (decode), with
   96 MB of weights per run so they come from memory: on CPUs without a fast
   integer GEMV this, not memory bandwidth, bounds int8 decode;
@@ -59,7 +63,7 @@ from typing import Callable
 import numpy as np
 
 from llmc.device_profile import SCHEMA, DeviceProfile, parse
-from llmc.runtime.cpu import int8_session_options, session_kwargs
+from llmc.runtime.cpu import int8_session_options, session_kwargs, u8s8_exact_for
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +85,7 @@ def _median_seconds(fn: Callable[[], object], min_time: float = 0.2, min_runs: i
     return statistics.median(times)
 
 
-def _session(model, threads: int):
+def _session(model, threads: int, weight_bits: int = 8):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -90,7 +94,7 @@ def _session(model, threads: int):
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    int8_session_options(so)  # as the runtime: int8 weights on this CPU's exact kernels
+    int8_session_options(so, weight_bits)  # as the runtime: int8 weights (of weight_bits) on this CPU's exact kernels
     so.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"], **session_kwargs())
 
@@ -120,8 +124,9 @@ def gemm_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) -> fl
     return _median_seconds(lambda: s.run(None, {"x": x})) / copies
 
 
-def qlinear_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) -> float:
-    """The ONNX backend's QLinear lowering: uint8 activations (zero point 128), per-channel int8 weights.
+def qlinear_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1, weight_bits: int = 8) -> float:
+    """The ONNX backend's QLinear lowering: uint8 activations (zero point 128), per-channel int8 weights (codes of
+    ``weight_bits``, on the kernels the runtime picks for them).
 
     With ``copies`` > 1 the graph holds that many independent QLinears of the shape and the
     result is per QLinear: enough copies that their weights exceed the caches make each one
@@ -133,7 +138,8 @@ def qlinear_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) ->
     inits = [numpy_helper.from_array(np.array(0.05, np.float32), "xs"), numpy_helper.from_array(np.array(128, np.uint8), "xz")]
     nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]), helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xdq"])]
     outputs = []
-    base = rng.integers(-127, 128, size=(k, n), dtype=np.int8)
+    qmax = (1 << (weight_bits - 1)) - 1
+    base = rng.integers(-qmax, qmax + 1, size=(k, n), dtype=np.int8)
     for c in range(copies):
         # each copy its own weight scales and zero points, as each QLinear of a bundle: on a CPU without VNNI ONNX
         # Runtime rewrites every int8 weight's zero point to uint8 in place, and fails on one that two weights share
@@ -143,7 +149,7 @@ def qlinear_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1) ->
                   helper.make_node("MatMul", ["xdq", f"w{c}"], [f"y{c}"])]
         outputs.append(helper.make_tensor_value_info(f"y{c}", TensorProto.FLOAT, [rows, n]))
     m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])], outputs, inits)
-    s = _session(m, threads)
+    s = _session(m, threads, weight_bits)
     x = rng.standard_normal((rows, k), dtype=np.float32)
     return _median_seconds(lambda: s.run(None, {"x": x})) / copies
 
@@ -290,6 +296,10 @@ def measure(threads: int | None = None, scratch: Path | None = None, progress: C
     say("int8 QLinear")
     rates = [2.0 * ROWS * k * m / qlinear_seconds(ROWS, k, m, threads) for k, m in GEMM_SHAPES]
     n["cpu.int8_ops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: the QLinear QDQ pattern [256,K]x[K,N] (int8 weights, this CPU's exact kernels), median over the same shapes"}
+    if not u8s8_exact_for(8):  # 7-bit codes run on other (faster) kernels here
+        rates = [2.0 * ROWS * k * m / qlinear_seconds(ROWS, k, m, threads, weight_bits=7) for k, m in GEMM_SHAPES]
+        n["cpu.int8_7bit_ops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: the QLinear QDQ pattern [256,K]x[K,N] with "
+                                        "7-bit weight codes (--weight-bits 7: the uint8 x int8 kernels), median over the same shapes"}
     rates = [2.0 * k * m / qlinear_seconds(1, k, m, threads, copies=-(-GEMV_BYTES // (k * m))) for k, m in GEMM_SHAPES]
     n["cpu.int8_gemv_ops_per_s"] = {"value": statistics.median(rates), "source": f"{where}: the QLinear QDQ pattern at one row [1,K]x[K,N], "
                                     f"copies of each shape with {GEMV_BYTES >> 20} MB of weights in one graph (weights from memory, as in decode), median over the same shapes"}

@@ -162,7 +162,8 @@ def planned_program(source: str, options: CompileOptions, pipeline: str | None =
 
 def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu", chunk: int = 256, max_context: int | None = None,
                memory_budget: str | None = None, prefetch_depth: int = 2, pipeline: str | None = None,
-               shadow: bool = True, shadow_keep: float = 1.0, weight_format: str = "float32", kv_cache: str = "float32") -> PlanResult:
+               shadow: bool = True, shadow_keep: float = 1.0, weight_format: str = "float32", kv_cache: str = "float32",
+               weight_bits: int = 8) -> PlanResult:
     from llmc.compile import check_kv_cache_format, with_kv_cache
     from llmc.errors import CompileError
     from llmc.passes import DEFAULT_PIPELINES
@@ -180,13 +181,20 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
         pipeline = DEFAULT_PIPELINES["plan-cpu-int4"]
     check_weight_format(weight_format, target, (pipeline or DEFAULT_PIPELINES[f"plan-{target}"]).split(","))
     check_kv_cache_format(kv_cache)
+    from llmc.passes.quantize import WEIGHT_BITS
+
+    if weight_bits not in WEIGHT_BITS:
+        raise CompileError(f"--weight-bits {weight_bits!r} is not available", hint="choose one of: " + ", ".join(map(str, WEIGHT_BITS)))
+    if weight_bits != 8 and target != "npu":
+        raise CompileError(f"--weight-bits {weight_bits} applies to --target npu (its W8A8 weights), not {target}")
     if kv_cache == "int8":
         pipeline = ",".join(with_kv_cache((pipeline or DEFAULT_PIPELINES[f"plan-{target}"]).split(","), assume=True))
     max_context = max_context or chunk * math.ceil(prompt_len / chunk)
     if prompt_len > max_context:
         raise CompileError(f"--prompt-len {prompt_len} exceeds --max-context {max_context}")
     options = CompileOptions(target=target, chunk=chunk, max_context=max_context, profile=profile, prompt_len=prompt_len,
-                             memory_budget=memory_budget, prefetch_depth=prefetch_depth, shadow=shadow, shadow_keep=shadow_keep)
+                             memory_budget=memory_budget, prefetch_depth=prefetch_depth, shadow=shadow, shadow_keep=shadow_keep,
+                             weight_bits=weight_bits)
     graph, ctx, description, pipeline_text = planned_program(source, options, pipeline)
     plan = ctx.get(ChunkPlan)
     used: set[str] = set()

@@ -33,7 +33,7 @@ def cost_model(graph: Graph, ctx: PassContext) -> CostModel:
     return CostModel(graph, ctx.get(ChunkPlan), load_profile(ctx.options.profile),
                      ctx.get(ShadowPlan) if ctx.has(ShadowPlan) else None, quantized=ctx.options.target == "npu",
                      decode_plan=ctx.get(DecodePlan) if ctx.has(DecodePlan) else None,
-                     decode_graph=ctx.get(DecodeGraph) if ctx.has(DecodeGraph) else None)
+                     decode_graph=ctx.get(DecodeGraph) if ctx.has(DecodeGraph) else None, weight_bits=ctx.options.weight_bits)
 
 
 def prompt_len(ctx: PassContext) -> int:

@@ -76,6 +76,31 @@ def test_roofline_of_linears_and_attention(planned):
     assert cm.node_seconds(sl, 256, 256, 256, "npu") == pytest.approx(256 * 2 * width * 2 / prof["npu.mem_bytes_per_s"])
 
 
+def test_seven_bit_weights_use_their_own_cpu_rate(planned, tmp_path, monkeypatch):
+    """--weight-bits 7 prices chunk QLinears on the CPU at cpu.int8_7bit_ops_per_s (the u8 x s8 kernels a CPU without
+    VNNI runs them on) where the profile has it, else at the 8-bit rate; the compile's cost model gets the option."""
+    import dataclasses
+
+    from llmc import device_profile
+    from llmc.analyses import ChunkPlan, ShadowPlan
+    from llmc.cost_model import CostModel
+    from llmc.passes.place import cost_model
+
+    graph, ctx = planned
+    data = device_profile.load("8gen3").as_json()
+    base = data["numbers"]["cpu.int8_ops_per_s"]["value"]
+    data["numbers"]["cpu.int8_7bit_ops_per_s"] = {"value": 3 * base, "source": "a test: three times the 8-bit rate"}
+    path = tmp_path / "seven.json"
+    path.write_text(json.dumps(data))
+    q = next(n for n in graph.nodes if n.op == "QLinear" and n.weights["qweight"].shape == (1024, 1024))
+    for prof, speedup in ((device_profile.load(str(path)), 3), (device_profile.load("8gen3"), 1)):
+        t = {bits: CostModel(graph, ctx.get(ChunkPlan), prof, ctx.get(ShadowPlan), quantized=True, weight_bits=bits).node_seconds(q, 256, 256, 256, "cpu")
+             for bits in (8, 7)}
+        assert t[8] == pytest.approx(2 * 256 * 1024 * 1024 / base) and t[7] == pytest.approx(t[8] / speedup)
+    monkeypatch.setattr(ctx, "options", dataclasses.replace(ctx.options, weight_bits=7, profile=str(path)))
+    assert cost_model(graph, ctx).weight_bits == 7
+
+
 def test_shadow_cost_follows_calibrated_channel_rates(planned):
     import dataclasses
 

@@ -57,6 +57,7 @@ def test_profile_host_int8_probe_on_the_exact_kernels(monkeypatch):
     cpu.u8s8_is_exact.cache_clear()
     try:
         assert qlinear_seconds(1, 64, 32, 1, copies=3) > 0
+        assert qlinear_seconds(1, 64, 32, 1, copies=3, weight_bits=7) > 0  # 7-bit codes: the u8 x s8 kernels even here
     finally:
         cpu.u8s8_is_exact.cache_clear()
 
@@ -76,6 +77,9 @@ def test_profile_host_measures_and_compiles_use_it(tmp_path, model_dirs):
     for key in ("cpu.int8_gemv_s", "cpu.int8_gemv_1t_s"):
         assert len(prof.tables[key]) == 15 and all(t > 0 for _, _, t in prof.tables[key])
     assert prof["cpu.node_s"] > 0
+    from llmc.runtime.cpu import u8s8_exact_for
+
+    assert ("cpu.int8_7bit_ops_per_s" in prof.values) == (not u8s8_exact_for(8))  # measured where 7-bit codes run on other kernels
     r = _llmc("profiles", "host", env=env)
     assert r.returncode == 0 and "cpu.int8_ops_per_s" in r.stdout
     out = tmp_path / "b"
@@ -117,3 +121,29 @@ def test_plan_with_an_int8_kv_cache(tmp_path):
     assert i8.as_dict()["decode"]["tok_s"] > f32.as_dict()["decode"]["tok_s"]
     r = _llmc("plan", str(cfg), "--prompt-len", "300", "--kv-cache", "int8")
     assert r.returncode == 0 and "int8 KV cache" in r.stdout, r.stderr
+
+
+def test_plan_with_seven_bit_weights(tmp_path):
+    """--weight-bits 7: on a CPU-only profile whose 7-bit int8 rate is higher (a CPU without VNNI), prefill is
+    predicted faster; a profile without that rate predicts the same; the cpu target refuses the option."""
+    from llmc import device_profile
+    from llmc.plan import plan_model
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMALL))
+    data = device_profile.load("8gen3").as_json()
+    data["numbers"] = {k: v for k, v in data["numbers"].items() if not k.startswith("npu.") and k != "sync_s"}  # a CPU alone
+    plain = tmp_path / "cpu.json"
+    plain.write_text(json.dumps(data))
+    data["numbers"]["cpu.int8_7bit_ops_per_s"] = {"value": 3 * data["numbers"]["cpu.int8_ops_per_s"]["value"], "source": "a test"}
+    seven = tmp_path / "cpu7.json"
+    seven.write_text(json.dumps(data))
+    latency = {(p.name, b): plan_model(str(cfg), profile=str(p), prompt_len=512, weight_bits=b).as_dict()["prefill"]["latency_s"]
+               for p in (plain, seven) for b in (8, 7)}
+    assert latency["cpu7.json", 7] < 0.9 * latency["cpu7.json", 8] and latency["cpu7.json", 8] == pytest.approx(latency["cpu.json", 8])
+    assert latency["cpu.json", 7] == pytest.approx(latency["cpu.json", 8])
+    r = _llmc("plan", str(cfg), "--prompt-len", "300", "--target", "cpu", "--weight-bits", "7")
+    assert r.returncode != 0 and "--weight-bits 7 applies to --target npu" in r.stderr, r.stderr
+    r = _llmc("plan", str(cfg), "--prompt-len", "300", "--weight-bits", "7", "--soc", str(seven), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["prefill"]["latency_s"] < json.loads(
+        _llmc("plan", str(cfg), "--prompt-len", "300", "--soc", str(seven), "--json").stdout)["prefill"]["latency_s"], r.stderr
