@@ -74,6 +74,10 @@ def check_early(options: CompileOptions, names: list[str], target: str, soc: str
         if key in explicit and not set(readers) & set(names):
             raise CompileError(f"{flag} has no effect here: the pipeline has no {readers[0]} pass",
                                hint=f"{where}; add {readers[0]} to --pipeline, or drop {flag}")
+    if options.weight_bits != 8 and options.memory_budget is not None:
+        raise CompileError(f"--weight-bits {options.weight_bits} gains nothing under --memory-budget: a budgeted bundle's weights are fed "
+                           "at run time as uint8 and run on the uint8 x uint8 kernels on every CPU",
+                           hint="drop --weight-bits (8-bit codes are more precise), or compile without --memory-budget")
     if options.prompt_len is not None and options.prompt_len > options.max_context:
         raise CompileError(f"--prompt-len {options.prompt_len} is longer than --max-context {options.max_context}",
                            hint="predictions are for prompts the bundle accepts: give at most --max-context, or raise --max-context")

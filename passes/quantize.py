@@ -46,8 +46,8 @@ CODE_DTYPE = {W_ZERO_POINT: "int8", FED_ZERO_POINT: "uint8"}  # the stored codes
 # x86 CPUs without VNNI multiply uint8 activations by int8 weights with vpmaddubsw, which adds two products
 # into int16 and saturates past 32767: 255 * 127 * 2 can, 255 * 63 * 2 = 32130 cannot. 7-bit weights are
 # exact there, so the runtime keeps them on those fast kernels (llmc.runtime.cpu) instead of ONNX Runtime's
-# uint8 x uint8 ones. SmolLM2-135M npu native, 512-token prefill on an AVX2 EPYC: +25-34%; perplexity on
-# 3,000 tokens of English (windows of 512): fp32 12.570, 8-bit 12.682, 7-bit 12.733.
+# uint8 x uint8 ones. SmolLM2-135M npu native on an AVX2 EPYC, 512-token prefill: +10% on natural text (compare.py),
+# +7-37% on random ids; perplexity on 3,000 tokens of English (windows of 512): fp32 12.570, 8-bit 12.682, 7-bit 12.733.
 WEIGHT_BITS = (8, 7)
 
 

@@ -10,13 +10,13 @@ the VNNI ones at a prefill chunk's rows (SmolLM2 shapes, 256 rows).
 The ONNX backend emits W8A8 weights as int8; a session on a CPU without VNNI
 sets ``session.x64quantprecision``, so that ONNX Runtime turns each constant
 int8 weight back into uint8 (its ``Avx2WeightS8ToU8Transformer``) and keeps the
-exact kernels. A bundle compiled with ``--weight-bits 7`` has codes in [-63, 63],
-whose pairs of products cannot saturate (2 * 255 * 63 = 32130): its sessions keep
-the int8 weights on the fast kernels on every CPU. ONNX Runtime's own test for that option
+exact kernels. ONNX Runtime's own test for that option
 (``MlasPlatformU8S8Overflow``) is true on every x86 CPU with AVX2, VNNI or not,
-so the runtime decides itself, from the CPU flags the kernel reports. Weights
-fed at run time are uint8 already (a memory-budgeted bundle's) or cast to uint8
-in the graph. Off x86 there is no such rewrite and no need for one: ONNX
+so the runtime decides itself, from the CPU flags the kernel reports. A bundle
+compiled with ``--weight-bits 7`` has codes in [-63, 63], whose pairs of products
+cannot saturate (2 * 255 * 63 = 32130): its sessions keep the int8 weights on the
+fast kernels on every CPU. Weights fed at run time are uint8 already (a
+memory-budgeted bundle's) or cast to uint8 in the graph. Off x86 there is no such rewrite and no need for one: ONNX
 Runtime's other int8 kernels do not saturate.
 """
 

@@ -180,7 +180,7 @@ class Session:
         self.weight_bits = m.get("weight_bits", 8)  # of the W8A8 weights' codes (--weight-bits): which int8 kernels are exact
         if self.weight_bits not in (7, 8):
             raise BundleError(f"{self.bundle}: manifest says weight_bits {self.weight_bits!r}; a bundle's W8A8 weights have 7 or 8 bits",
-                              hint="the manifest was edited or damaged: compile the bundle again")
+                              hint="the manifest was edited or damaged, or a newer llmc wrote it: compile the bundle again with this llmc")
         # budgeted bundles: resident arrays + row tables, streamed weights fed per run
         self.residency = Residency(self.bundle, m, prefetch=prefetch) if "offload" in m else None
         self._weights: dict[str, Any] = self.residency.weights if self.residency else map_weights(self.bundle, m["weights"])

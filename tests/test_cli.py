@@ -192,6 +192,7 @@ def test_options_are_checked_before_the_slow_stages(model_dirs, tmp_path, caplog
         (["--no-shadow"], "--no-shadow has no effect here: the pipeline has no extract_shadow_outliers pass"),
         (["--weight-granularity", "tensor"], "--weight-granularity has no effect here"),
         (["--weight-bits", "7"], "--weight-bits has no effect here: the pipeline has no quantize pass"),
+        (["--target", "npu", "--weight-bits", "7", "--memory-budget", "50%"], "--weight-bits 7 gains nothing under --memory-budget"),
         (["--calib-tokens", "64"], "--calib-tokens has no effect here: the pipeline has no calibrate pass"),
         (["--target", "npu", "--calib", str(tmp_path / "nope.txt")], "no such file"),
         (["--memory-budget", "300Mbytes"], "cannot read the size '300Mbytes'"),

@@ -754,11 +754,11 @@ def _w8_reference(x: np.ndarray, w: dict, x_scale: float, zero_point: int) -> np
 
 
 @pytest.mark.parametrize("k,n,zero_point,dtype,per_channel,rows,threads", [
-    (576, 960, 128, np.int8, True, 1, 2),     # SmolLM2's q/k/v: whole blocks of 64 columns, 36 row pairs in 4 ranges
+    (576, 960, 128, np.int8, True, 1, 2),     # SmolLM2's q/k/v: whole blocks of 64 columns, row ranges fetching ahead
     (1536, 70, 128, np.int8, True, 1, 2),     # its down projection's K, 6 columns past a block
     (77, 200, 3, np.uint8, True, 2, 1),       # an odd K, a zero point whose codes' high parts reach 16, uint8 weights
     (64, 5, 255, np.int8, False, 3, 2),       # fewer columns than a block, one scale, the highest zero point
-    (576, 4160, 128, np.int8, True, 1, 2),    # many blocks, one range
+    (576, 4160, 128, np.int8, True, 1, 2),    # many blocks of columns
 ])
 def test_w8a8_matmul_is_the_stock_projection(native_kernels, k, n, zero_point, dtype, per_channel, rows, threads):
     """W8A8MatMul computes the stock projection (QuantizeLinear, then the QDQ MatMul that ONNX Runtime runs as
@@ -774,6 +774,19 @@ def test_w8a8_matmul_is_the_stock_projection(native_kernels, k, n, zero_point, d
     got = _session(_w8_model(k, n, w, x_zero_point=zero_point), native_kernels, threads).run(None, {"x": x})[0]
     assert got.shape == (rows, n) and got.dtype == np.float32
     np.testing.assert_array_equal(got, _w8_reference(x, w, x_scale, zero_point))
+
+
+def test_w8a8_matmul_row_ranges_from_the_environment(native_kernels, monkeypatch):
+    """LLMC_W8_SPLITS sets how many row ranges a projection is cut into (one per CPU by default). 60 of them over K=4096
+    (2,048 row pairs, 35 a range) make 59 ranges, not 60 with an empty last one: a kernel that kept the empty range added
+    the sums an earlier projection (K=4800: 60 whole ranges) left in that range's row of the reused buffer."""
+    monkeypatch.setenv("LLMC_W8_SPLITS", "60")
+    rng = np.random.default_rng(11)
+    for k in (4800, 4096):  # on one thread, one after the other: the same thread-local buffer
+        w = _w8_weights(rng, k, 256, np.int8, True)
+        x = rng.normal(0, 1.5, (1, k)).astype(np.float32)
+        got = _session(_w8_model(k, 256, w), native_kernels, 1).run(None, {"x": x})[0]
+        np.testing.assert_array_equal(got, _w8_reference(x, w, 0.02, 128))
 
 
 @pytest.mark.parametrize("table", [np.float16, np.float32])

@@ -288,7 +288,7 @@ def test_npu_bundle_runs_integer_graphs_exactly(npu_bundles, model_dirs, calib_f
     ids = [int(t) for t in np.random.default_rng(3).integers(4, 120, size=2 * CHUNK + 3)]
     ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
     s = Session(npu_bundles["bits7" if bits == 7 else "shadow" if granularity == "channel" else "tensor"])
-    assert s.weight_bits == bits and s.int8_kernels == ("u8s8" if bits == 7 else "u8u8" if kernels else s.int8_kernels)
+    assert s.weight_bits == bits and s.int8_kernels == ("u8s8" if bits == 7 or (not kernels and cpu.u8s8_is_exact()) else "u8u8")
     s.reset()
     got = s.prefill(ids, all_logits=True)
     np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max())

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <cmath>
 #include <cstdint>
@@ -1547,14 +1548,22 @@ struct MatVecOp : Ort::CustomOpBase<MatVecOp, MatVecKernel> {
 // then added up and scaled. A range goes down its rows kW8Pairs pairs at a time, across all columns 64 at a time:
 // two rows' bytes interleaved (unpack), multiplied by the two codes' parts and pair-added (vpmaddubsw, see w8_rows).
 // Meanwhile the range's next block of rows (contiguous in memory) is fetched into cache in address order, a slice per
-// 64 columns: the block's own loads go down 16 rows at a time and keep fewer lines in flight than one linear stream.
+// 64 columns: the block's own loads go down its 8 or 16 rows at a time and keep fewer lines in flight than one linear
+// stream.
 
 // Row ranges of a matrix (their int32 sums added after): one for each of the machine's CPUs (ONNX Runtime's threads by
-// default), so that a thread reads one range start to end and fetches each next block ahead. Measured on 2 CPUs
-// (SmolLM2's decode), 2 ranges beat 4: a range's first block is not fetched ahead.
+// default), so that a thread reads one range start to end and fetches each next block ahead; at most one per two
+// blocks of rows (a range's first block is not fetched ahead). Measured on 2 CPUs (SmolLM2's decode), 2 ranges beat 4.
+// LLMC_W8_SPLITS (1 to 64) sets the count instead, read when a kernel is made (for fewer threads than CPUs, and tests).
+constexpr int64_t kW8MaxSplits = 64;
+
 int64_t w8_splits() {
-  static const int64_t splits = std::clamp<int64_t>(static_cast<int64_t>(std::thread::hardware_concurrency()), 2, 64);
-  return splits;
+  if (const char* env = std::getenv("LLMC_W8_SPLITS")) {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    if (end != env && *end == '\0' && v >= 1 && v <= kW8MaxSplits) return v;
+  }
+  return std::clamp<int64_t>(static_cast<int64_t>(std::thread::hardware_concurrency()), 2, kW8MaxSplits);
 }
 
 struct W8Job {
@@ -1664,9 +1673,9 @@ void w8_task(void* data, size_t t) {
   const int64_t whole = n / 64 * 64;
   for (int64_t p0 = q0; p0 < q1; p0 += job.flush) {  // job.flush pairs of rows across all columns, each row's bytes in order
     const int64_t p1 = std::min(q1, p0 + job.flush);
-    // the next block, if it is whole: its 2 * flush * n bytes in whole / 64 slices of 128 * flush (the lines past whole
-    // columns are not fetched ahead)
-    const char* next = p1 + job.flush <= q1 ? reinterpret_cast<const char*>(job.w + 2 * p1 * n) : nullptr;
+    // the range's next block, if it is whole (2 * flush rows, all inside w): its first 2 * flush * whole bytes in
+    // whole / 64 slices of 128 * flush (the block's last 2 * flush * (n - whole) bytes are not fetched ahead)
+    const char* next = p1 + job.flush <= q1 && 2 * (p1 + job.flush) <= job.k ? reinterpret_cast<const char*>(job.w + 2 * p1 * n) : nullptr;
     for (c = 0; c < whole; c += 64) w8_rows(job, p0, p1, c, acc + c, p0 == q0, next != nullptr ? next + 2 * job.flush * c : nullptr);
   }
   c = whole;
@@ -1687,6 +1696,7 @@ void w8_finish_task(void* data, size_t t) {
 struct W8Kernel {
   Quantizer quant;  // x's codes: x_scale, x_zero_point
   float lo = 0.0f, hi = 0.0f, epsilon;
+  int64_t max_splits = w8_splits();  // row ranges of a large matrix
 
   W8Kernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -1745,14 +1755,17 @@ struct W8Kernel {
     codes.resize(static_cast<size_t>(k));
     a.assign(static_cast<size_t>(k + k % 2), 0);
     parts.resize(static_cast<size_t>(k + k % 2));
-    // w8_splits() ranges of rows (one for a small matrix), so that there are tasks for the threads and each reads
-    // whole rows of weights in order
-    const int64_t pairs = (k + 1) / 2;
-    const bool parallel = static_cast<size_t>(n * k) >= kParallelWork;
-    const int64_t splits = parallel ? std::min(w8_splits(), pairs) : 1, split_pairs = (pairs + splits - 1) / splits;
     // the codes' high parts: (a - lo) / 16 for a in -zero_point..255 - zero_point; 8 at most in magnitude when the zero
     // point is 120..136, and then a pair's sum, 2 * 255 * 8 at most, can be added 8 times in int16
     const int64_t flush = quant.zero_point >= 120 && quant.zero_point <= 136 ? kW8Pairs : kW8Pairs / 2;
+    // ranges of whole rows (one for a small matrix), so that there are tasks for the threads and each reads whole rows
+    // of weights in order: max_splits at most, two blocks of rows each at least, and none empty (every range's sums
+    // are added up, so an empty one would add stale ones)
+    const int64_t pairs = (k + 1) / 2;
+    const bool parallel = static_cast<size_t>(n * k) >= kParallelWork;
+    int64_t splits = parallel ? std::clamp<int64_t>(pairs / (2 * flush), 1, max_splits) : 1;
+    const int64_t split_pairs = (pairs + splits - 1) / splits;
+    splits = (pairs + split_pairs - 1) / split_pairs;
     thread_local std::vector<int32_t> partial;
     partial.resize(static_cast<size_t>(splits * n));
     W8Job job{a.data(), parts.data(), static_cast<const uint8_t*>(w.GetTensorRawData()), partial.data(), k, n, splits, split_pairs, flush,
