@@ -223,10 +223,9 @@ def compile_model(
             qnn_skip = qnn_available()
     default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
     check_kv_cache_format(kv_cache)
-    from llmc.passes.quantize import WEIGHT_BITS
+    from llmc.passes.quantize import check_weight_bits
 
-    if quant_options.get("weight_bits", 8) not in WEIGHT_BITS:
-        raise CompileError(f"--weight-bits {quant_options['weight_bits']!r} is not available", hint="choose one of: " + ", ".join(map(str, WEIGHT_BITS)))
+    check_weight_bits(quant_options.get("weight_bits", 8))
     if cpu_kernels not in CPU_KERNELS:
         raise CompileError(f"unknown --cpu-kernels {cpu_kernels!r}", hint="choose one of: " + ", ".join(CPU_KERNELS))
     if pipeline is not None and not pipeline.strip():
@@ -398,9 +397,11 @@ def compile_model(
 def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """The quantization report: per Linear its range, shadow decision, hot channels and bytes."""
     from llmc.analyses import CalibrationStats, ShadowPlan, SmoothingPlan
+    from llmc.passes.quantize import weight_qmax
 
     if not ctx.has(ShadowPlan):
         return None
+    qmax = weight_qmax(ctx.options.weight_bits)
     plan = ctx.get(ShadowPlan)
     calib = ctx.get(CalibrationStats)
     total = sum(w["nbytes"] for w in weights.values())
@@ -438,8 +439,8 @@ def build_report(graph, ctx: PassContext, weights: dict[str, dict[str, Any]]) ->
             "activations": "uint8 per tensor (zero point 128) at every Linear input; everything else float32 "
                            "(8-bit norms/residual/activations measured: +49% / unusable / x6 perplexity; docs/quantization.md)"
                            + ("; the KV cache int8 (kv_cache)" if ctx.has(KVCachePlan) else ""),
-            "weights": f"int8 symmetric per {ctx.options.weight_granularity}, codes in "
-                       + ("[-127, 127]" if ctx.options.weight_bits == 8 else "[-63, 63] (--weight-bits 7)"),
+            "weights": f"int8 symmetric per {ctx.options.weight_granularity}, codes in [-{qmax}, {qmax}]"
+                       + (f" (--weight-bits {ctx.options.weight_bits})" if ctx.options.weight_bits != 8 else ""),
             "shadow": plan.enabled,
             "clip_percentile": plan.percentile if plan.enabled else None,
             "shadow_keep_fraction": plan.keep_fraction,

@@ -138,7 +138,9 @@ def qlinear_seconds(rows: int, k: int, n: int, threads: int, copies: int = 1, we
     inits = [numpy_helper.from_array(np.array(0.05, np.float32), "xs"), numpy_helper.from_array(np.array(128, np.uint8), "xz")]
     nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]), helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xdq"])]
     outputs = []
-    qmax = (1 << (weight_bits - 1)) - 1
+    from llmc.passes.quantize import weight_qmax
+
+    qmax = weight_qmax(weight_bits)
     base = rng.integers(-qmax, qmax + 1, size=(k, n), dtype=np.int8)
     for c in range(copies):
         # each copy its own weight scales and zero points, as each QLinear of a bundle: on a CPU without VNNI ONNX

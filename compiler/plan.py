@@ -181,10 +181,9 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
         pipeline = DEFAULT_PIPELINES["plan-cpu-int4"]
     check_weight_format(weight_format, target, (pipeline or DEFAULT_PIPELINES[f"plan-{target}"]).split(","))
     check_kv_cache_format(kv_cache)
-    from llmc.passes.quantize import WEIGHT_BITS
+    from llmc.passes.quantize import check_weight_bits
 
-    if weight_bits not in WEIGHT_BITS:
-        raise CompileError(f"--weight-bits {weight_bits!r} is not available", hint="choose one of: " + ", ".join(map(str, WEIGHT_BITS)))
+    check_weight_bits(weight_bits)
     if weight_bits != 8 and target != "npu":
         raise CompileError(f"--weight-bits {weight_bits} applies to --target npu (its W8A8 weights), not {target}")
     if kv_cache == "int8":

@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from llmc.analyses import ShadowPlan
+from llmc.errors import CompileError
 from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
 
@@ -51,6 +52,17 @@ CODE_DTYPE = {W_ZERO_POINT: "int8", FED_ZERO_POINT: "uint8"}  # the stored codes
 WEIGHT_BITS = (8, 7)
 
 
+def weight_qmax(bits: int) -> int:
+    """The largest weight code of ``bits`` bits (codes are symmetric: [-qmax, qmax]): 127 or 63."""
+    return (1 << (bits - 1)) - 1
+
+
+def check_weight_bits(bits: int) -> None:
+    """A named CompileError for a --weight-bits no quantization has (the CLI offers only these; the API does not)."""
+    if bits not in WEIGHT_BITS:
+        raise CompileError(f"--weight-bits {bits!r} is not available", hint="choose one of: " + ", ".join(map(str, WEIGHT_BITS)))
+
+
 def quantize_weight(w: np.ndarray, per_channel: bool, offset: int = W_ZERO_POINT, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 codes in [-127, 127], or in [-63, 63] with ``bits`` 7.
 
@@ -63,7 +75,7 @@ def quantize_weight(w: np.ndarray, per_channel: bool, offset: int = W_ZERO_POINT
     """
     if bits not in WEIGHT_BITS:
         raise ValueError(f"weight bits {bits!r}: choose one of {WEIGHT_BITS}")
-    qmax = float((1 << (bits - 1)) - 1)
+    qmax = float(weight_qmax(bits))
     w = np.asarray(w, np.float32)
     out_f, in_f = w.shape
     step = max(1, _BLOCK_ELEMENTS // max(in_f, 1))  # rows per block: temporaries stay a few MB for any matrix

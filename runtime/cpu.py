@@ -16,8 +16,9 @@ so the runtime decides itself, from the CPU flags the kernel reports. A bundle
 compiled with ``--weight-bits 7`` has codes in [-63, 63], whose pairs of products
 cannot saturate (2 * 255 * 63 = 32130): its sessions keep the int8 weights on the
 fast kernels on every CPU. Weights fed at run time are uint8 already (a
-memory-budgeted bundle's) or cast to uint8 in the graph. Off x86 there is no such rewrite and no need for one: ONNX
-Runtime's other int8 kernels do not saturate.
+memory-budgeted bundle's) or cast to uint8 in the graph. Off x86 there is no
+such rewrite and no need for one: ONNX Runtime's other int8 kernels do not
+saturate.
 """
 
 from __future__ import annotations
