@@ -789,15 +789,16 @@ def test_w8a8_matmul_row_ranges_from_the_environment(native_kernels, monkeypatch
         np.testing.assert_array_equal(got, _w8_reference(x, w, 0.02, 128))
 
 
-@pytest.mark.parametrize("table", [np.float16, np.float32])
-def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table):
+@pytest.mark.parametrize("table,rows", [(np.float16, 3), (np.float32, 3), (np.float16, 1), (np.float32, 1)])
+def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table, rows):
     """With a weight table (input 3, attributes lo and hi), a residual (input 4) and a norm weight (input 5, attribute
     epsilon), W8A8MatMul computes what RMSNorm, W8A8MatMul alone and ShadowCorrection (with that residual) compute one
-    after the other, bit for bit: the outliers and codes are the normalised row's."""
+    after the other, bit for bit: the outliers and codes are the normalised row's. One row (decode, whose row ranges
+    fetch the outliers' table rows ahead) and several."""
     from onnx import TensorProto, helper, numpy_helper
 
-    rng = np.random.default_rng(8)
-    k, n, rows, lo, hi = 96, 130, 3, -0.75, 0.75
+    rng = np.random.default_rng(8 + rows)
+    k, n, lo, hi = 96, 130, -0.75, 0.75
     w = _w8_weights(rng, k, n, np.int8, True)
     wt = rng.standard_normal((k, n)).astype(table)
     g = rng.uniform(0.5, 1.5, k).astype(np.float32)
@@ -814,6 +815,30 @@ def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table):
                          native_kernels).run(None, {"x": xn, "base": base, "residual": r})[0]
     fused = _session(_w8_model(k, n, {**w, "wt": wt, "norm": g}, residual=True, lo=lo, hi=hi, epsilon=0.25, **attrs), native_kernels)
     np.testing.assert_array_equal(fused.run(None, {"x": x, "residual": r})[0], three_ops)
+
+
+def test_w8a8_matmul_checks_weights_that_are_not_constants_on_every_call(native_kernels):
+    """Weights that are graph inputs rather than initializers may change shape between calls: each call checks them
+    and uses their shape (the kernel keeps its checked facts only for constant weights)."""
+    from onnx import TensorProto, helper
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    node = helper.make_node("W8A8MatMul", ["x", "w", "w_scale"], ["y"], domain="ai.llmc", x_scale=0.02, x_zero_point=128)
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64]),
+              helper.make_tensor_value_info("w", TensorProto.INT8, [64, None]),
+              helper.make_tensor_value_info("w_scale", TensorProto.FLOAT, [None])]
+    g = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.llmc", 1)])
+    m.ir_version = 10
+    sess = _session(m, native_kernels)
+    rng = np.random.default_rng(5)
+    x = rng.normal(0, 1.5, (1, 64)).astype(np.float32)
+    for n in (8, 200, 70):
+        w = _w8_weights(rng, 64, n, np.int8, True)
+        got = sess.run(None, {"x": x, **w})[0]
+        np.testing.assert_array_equal(got, _w8_reference(x, w, 0.02, 128))
+    with pytest.raises((Fail, InvalidArgument, RuntimeException), match="W8A8MatMul: w_scale must be \\[N\\]"):
+        sess.run(None, {"x": x, "w": w["w"], "w_scale": w["w_scale"][:3]})
 
 
 def test_w8a8_matmul_named_errors(native_kernels):

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <cmath>
@@ -66,6 +67,12 @@ inline int64_t leading_rows(const std::vector<int64_t>& shape) {
   int64_t rows = 1;
   for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
   return rows;
+}
+
+// v with room for n elements at least: grown when smaller, never shrunk (a buffer kept across calls).
+template <typename T>
+inline void grow(std::vector<T>& v, int64_t n) {
+  if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
 }
 
 struct Outliers {  // by row: row r's outlier channels and excesses are [start[r], start[r + 1])
@@ -534,12 +541,19 @@ inline void weighted_rows(const float (*w)[kPositions], int64_t n, const T* v, i
 }
 
 // s[h][0, n) = scale * q_h . k_i for the G heads from q on and the block's n keys (whole kNative groups of
-// them, the rest one by one).
+// them, the rest one by one). With v, the value rows of each group of keys are fetched into cache meanwhile (the
+// block's weighted sum reads them next: two streams keep more of memory's bandwidth busy than one after the other).
 template <int G, typename T>
-void score_heads(const float* q, const T* k, int64_t n, int64_t d, float scale, float (*s)[kPositions]) {
+void score_heads(const float* q, const T* k, int64_t n, int64_t d, float scale, float (*s)[kPositions], const T* v = nullptr) {
   int64_t first = 0;
   if (d % kNative == 0)
-    for (; first + kNative <= n; first += kNative) score_keys<G>(q, k, d, first, scale, s);
+    for (; first + kNative <= n; first += kNative) {
+      if (v != nullptr) {
+        const char* rows = reinterpret_cast<const char*>(v + first * d);
+        for (size_t b = 0; b < static_cast<size_t>(kNative * d) * sizeof(T); b += 64) _mm_prefetch(rows + b, _MM_HINT_T0);
+      }
+      score_keys<G>(q, k, d, first, scale, s);
+    }
   for (int64_t i = first; i < n; ++i)
     for (int h = 0; h < G; ++h) {
       const float* qh = q + h * d;
@@ -593,7 +607,7 @@ void attend_block(void* data, size_t t) {
   const T* vg = job.v + (g * job.c + t0) * d;
   for (int64_t h0 = 0; h0 < job.group; h0 += kHeadBatch)
     with_heads(std::min<int64_t>(kHeadBatch, job.group - h0), [&](auto heads) {
-      score_heads<decltype(heads)::value>(job.q + (g * job.group + h0) * d, kg, n, d, job.scale, s + h0);
+      score_heads<decltype(heads)::value>(job.q + (g * job.group + h0) * d, kg, n, d, job.scale, s + h0, h0 == 0 ? vg : nullptr);
     });
   for (int64_t h = 0; h < job.group; ++h) {
     const int64_t slot = (g * job.group + h) * job.blocks + b;
@@ -924,7 +938,9 @@ struct AttentionKernel {
     const float* ksrc = packed ? qsrc + hd : ctx.GetInput(1).GetTensorData<float>();
     const float* vsrc = packed ? qsrc + hd + kvd : ctx.GetInput(2).GetTensorData<float>();
     const int64_t kvstride = packed ? width : kvd;  // between one row's key (value) and the next's
-    std::vector<float> q(static_cast<size_t>(rows * hd)), k(static_cast<size_t>(rows * kvd));
+    thread_local std::vector<float> q, k, m, l, o;  // this thread's buffers, kept across calls (grown, never shrunk)
+    grow(q, rows * hd);
+    grow(k, rows * kvd);
     for (int64_t r = 0; r < rows; ++r) {
       std::copy(qsrc + r * width, qsrc + r * width + hd, q.begin() + r * hd);
       std::copy(ksrc + r * kvstride, ksrc + r * kvstride + kvd, k.begin() + r * kvd);
@@ -985,7 +1001,9 @@ struct AttentionKernel {
     }
     const int64_t total = p + 1, start = window > 0 ? std::max<int64_t>(0, total - window) : 0;
     const int64_t group = heads / kv_heads, blocks = (total - start + kPositions - 1) / kPositions;
-    std::vector<float> m(static_cast<size_t>(heads * blocks)), l(m.size()), o(m.size() * static_cast<size_t>(d));
+    grow(m, heads * blocks);  // every task writes all its slots
+    grow(l, heads * blocks);
+    grow(o, heads * blocks * d);
     AttentionJob<T> job{q.data(), kc, vc, v_scale, group, c, d, start, total, blocks, scale, m.data(), l.data(), o.data()};
     const size_t tasks = static_cast<size_t>(kv_heads * blocks);
     if (tasks > 1 && (total - start) * d * heads >= kAttentionParallel)
@@ -1578,6 +1596,11 @@ struct W8Job {
   const float* w_scale;
   bool per_channel;
   float* y;  // the row's result
+  // the outliers' rows of the correction's weight table (row_bytes each), which the ranges fetch into cache during
+  // their last block, each its share of their lines, so that the correction after the sums reads them from cache
+  const char* table = nullptr;
+  const int32_t* channels = nullptr;
+  int64_t outliers = 0, row_bytes = 0;
 };
 
 inline int32_t w8(const W8Job& job, int64_t k, int64_t c) { return job.w[k * job.n + c] ^ job.flip; }  // w + 128
@@ -1671,12 +1694,21 @@ void w8_task(void* data, size_t t) {
   int64_t c = 0;
 #if defined(__AVX2__)
   const int64_t whole = n / 64 * 64;
+  // this range's share of the outliers' table lines: [l0, l1) of their row-major order
+  const int64_t row_lines = (job.row_bytes + 63) / 64, lines = job.outliers * row_lines;
+  const int64_t l0 = lines * static_cast<int64_t>(t) / job.splits, l1 = lines * (static_cast<int64_t>(t) + 1) / job.splits;
   for (int64_t p0 = q0; p0 < q1; p0 += job.flush) {  // job.flush pairs of rows across all columns, each row's bytes in order
     const int64_t p1 = std::min(q1, p0 + job.flush);
     // the range's next block, if it is whole (2 * flush rows, all inside w): its first 2 * flush * whole bytes in
     // whole / 64 slices of 128 * flush (the block's last 2 * flush * (n - whole) bytes are not fetched ahead)
     const char* next = p1 + job.flush <= q1 && 2 * (p1 + job.flush) <= job.k ? reinterpret_cast<const char*>(job.w + 2 * p1 * n) : nullptr;
-    for (c = 0; c < whole; c += 64) w8_rows(job, p0, p1, c, acc + c, p0 == q0, next != nullptr ? next + 2 * job.flush * c : nullptr);
+    const bool last = p1 == q1 && l1 > l0;
+    const int64_t slices = whole / 64, per = last && slices > 0 ? (l1 - l0 + slices - 1) / slices : 0;
+    for (c = 0; c < whole; c += 64) {
+      w8_rows(job, p0, p1, c, acc + c, p0 == q0, next != nullptr ? next + 2 * job.flush * c : nullptr);
+      for (int64_t i = l0 + c / 64 * per, end = std::min(l1, i + per); i < end; ++i)  // the last block: the table's lines
+        _mm_prefetch(job.table + job.channels[i / row_lines] * job.row_bytes + i % row_lines * 64, _MM_HINT_T0);
+    }
   }
   c = whole;
 #endif
@@ -1697,9 +1729,27 @@ struct W8Kernel {
   Quantizer quant;  // x's codes: x_scale, x_zero_point
   float lo = 0.0f, hi = 0.0f, epsilon;
   int64_t max_splits = w8_splits();  // row ranges of a large matrix
+  // What the weight inputs (w, w_scale and the optional wt and norm) are. When all of them are the graph's constants,
+  // their checks pass once and later calls reuse the facts (a decode step's ops are short: the shape queries of the
+  // C API cost about a microsecond each); otherwise every call checks them.
+  struct Weights {
+    int64_t k = 0, n = 0;
+    ONNXTensorElementDataType wtype{}, wt_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    size_t scales = 0;
+  };
+  bool constant_weights = true;
+  std::atomic<bool> checked{false};
+  Weights facts;
+  std::mutex facts_mutex;
 
   W8Kernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
+    for (size_t i : {1, 2, 3, 5})
+      if (i < ki.GetInputCount() && !ki.GetInputName(i).empty()) {
+        int is_constant = 0;
+        ki.GetTensorConstantInput(i, &is_constant);
+        constant_weights = constant_weights && is_constant != 0;
+      }
     quant.scale = ki.GetAttribute<float>("x_scale");
     const int64_t zero_point = ki.GetAttribute<int64_t>("x_zero_point");
     if (!(quant.scale > 0.0f) || zero_point < 0 || zero_point > 255)
@@ -1710,32 +1760,53 @@ struct W8Kernel {
     epsilon = attribute_or<float>(ki, "epsilon", 0.0f);  // the optional norm's
   }
 
+  static Weights check_weights(Ort::ConstValue w, Ort::ConstValue w_scale, const OrtValue* wt_value, const OrtValue* norm_value) {
+    Weights f;
+    const Ort::TensorTypeAndShapeInfo wi = w.GetTensorTypeAndShapeInfo();
+    const std::vector<int64_t> ws = wi.GetShape();
+    f.wtype = wi.GetElementType();
+    if (f.wtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 && f.wtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8)
+      throw Ort::Exception("W8A8MatMul: w must be int8 (zero point 0) or uint8 (zero point 128)", ORT_INVALID_ARGUMENT);
+    if (ws.size() != 2)
+      throw Ort::Exception("W8A8MatMul: x must be [..., K] and w [K, N] with the same K", ORT_INVALID_ARGUMENT);
+    f.k = ws[0];
+    f.n = ws[1];
+    f.scales = w_scale.GetTensorTypeAndShapeInfo().GetElementCount();
+    if (f.scales != 1 && f.scales != static_cast<size_t>(f.n))
+      throw Ort::Exception("W8A8MatMul: w_scale must be [N] (per output column) or [1]", ORT_INVALID_ARGUMENT);
+    if (wt_value != nullptr) {
+      const Ort::TensorTypeAndShapeInfo ti = Ort::ConstValue{wt_value}.GetTensorTypeAndShapeInfo();
+      f.wt_type = ti.GetElementType();
+      if (ti.GetShape() != ws || (f.wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && f.wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16))
+        throw Ort::Exception("W8A8MatMul: wt (the outliers' weight table) must be float32 or float16 [K, N], as w", ORT_INVALID_ARGUMENT);
+    }
+    if (norm_value != nullptr && Ort::ConstValue{norm_value}.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(f.k))
+      throw Ort::Exception("W8A8MatMul: norm (the RMS norm's weight) must be [K], x's width", ORT_INVALID_ARGUMENT);
+    return f;
+  }
+
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
     Ort::ConstValue x = ctx.GetInput(0), w = ctx.GetInput(1), w_scale = ctx.GetInput(2);
     const auto optional = [&](size_t i) { return ctx.GetInputCount() > i ? static_cast<const OrtValue*>(ctx.GetInput(i)) : nullptr; };
     const OrtValue *wt_value = optional(3), *residual_value = optional(4), *norm_value = optional(5);
     std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
-    const std::vector<int64_t> ws = w.GetTensorTypeAndShapeInfo().GetShape();
-    const ONNXTensorElementDataType wtype = w.GetTensorTypeAndShapeInfo().GetElementType();
-    if (wtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 && wtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8)
-      throw Ort::Exception("W8A8MatMul: w must be int8 (zero point 0) or uint8 (zero point 128)", ORT_INVALID_ARGUMENT);
-    if (shape.empty() || ws.size() != 2 || ws[0] != shape.back())
-      throw Ort::Exception("W8A8MatMul: x must be [..., K] and w [K, N] with the same K", ORT_INVALID_ARGUMENT);
-    const int64_t k = ws[0], n = ws[1], rows = leading_rows(shape);
-    const size_t scales = w_scale.GetTensorTypeAndShapeInfo().GetElementCount();
-    if (scales != 1 && scales != static_cast<size_t>(n))
-      throw Ort::Exception("W8A8MatMul: w_scale must be [N] (per output column) or [1]", ORT_INVALID_ARGUMENT);
-    ONNXTensorElementDataType wt_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    if (wt_value != nullptr) {
-      Ort::ConstValue wt{wt_value};
-      wt_type = wt.GetTensorTypeAndShapeInfo().GetElementType();
-      if (wt.GetTensorTypeAndShapeInfo().GetShape() != ws ||
-          (wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16))
-        throw Ort::Exception("W8A8MatMul: wt (the outliers' weight table) must be float32 or float16 [K, N], as w", ORT_INVALID_ARGUMENT);
+    Weights f;
+    if (checked.load(std::memory_order_acquire)) {
+      f = facts;
+    } else {
+      f = check_weights(w, w_scale, wt_value, norm_value);
+      if (constant_weights) {
+        std::lock_guard<std::mutex> lock(facts_mutex);
+        facts = f;
+        checked.store(true, std::memory_order_release);
+      }
     }
-    if (norm_value != nullptr && Ort::ConstValue{norm_value}.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(k))
-      throw Ort::Exception("W8A8MatMul: norm (the RMS norm's weight) must be [K], x's width", ORT_INVALID_ARGUMENT);
+    if (shape.empty() || shape.back() != f.k)
+      throw Ort::Exception("W8A8MatMul: x must be [..., K] and w [K, N] with the same K", ORT_INVALID_ARGUMENT);
+    const int64_t k = f.k, n = f.n, rows = leading_rows(shape);
+    const size_t scales = f.scales;
+    const ONNXTensorElementDataType wtype = f.wtype, wt_type = f.wt_type;
     shape.back() = n;
     if (residual_value != nullptr && Ort::ConstValue{residual_value}.GetTensorTypeAndShapeInfo().GetShape() != shape)
       throw Ort::Exception("W8A8MatMul: residual must have the result's shape [..., N]", ORT_INVALID_ARGUMENT);
@@ -1743,18 +1814,23 @@ struct W8Kernel {
     float* out = y.GetTensorMutableData<float>();
     const float* residual = residual_value != nullptr ? Ort::ConstValue{residual_value}.GetTensorData<float>() : nullptr;
 
-    thread_local std::vector<float> normed;  // this thread's buffers, kept across calls
+    // this thread's buffers, kept across calls and grown, never shrunk (a std::vector grown again would zero what it adds:
+    // the LM head's sums are 400 KB a token)
+    thread_local std::vector<float> normed;
     thread_local std::vector<uint8_t> codes;
     thread_local std::vector<int16_t> a, parts;
+    thread_local std::vector<int32_t> partial;
+    thread_local Outliers outliers;
     const float* xs = x.GetTensorData<float>();
     if (norm_value != nullptr) {
-      normed.resize(static_cast<size_t>(rows * k));
+      grow(normed, rows * k);
       for (int64_t r = 0; r < rows; ++r) rms_row(xs + r * k, Ort::ConstValue{norm_value}.GetTensorData<float>(), k, epsilon, normed.data() + r * k);
       xs = normed.data();
     }
-    codes.resize(static_cast<size_t>(k));
-    a.assign(static_cast<size_t>(k + k % 2), 0);
-    parts.resize(static_cast<size_t>(k + k % 2));
+    grow(codes, k);
+    grow(a, k + k % 2);
+    grow(parts, k + k % 2);
+    if (k % 2 != 0) a[static_cast<size_t>(k)] = 0;  // an odd K's last code pairs with a zero
     // the codes' high parts: (a - lo) / 16 for a in -zero_point..255 - zero_point; 8 at most in magnitude when the zero
     // point is 120..136, and then a pair's sum, 2 * 255 * 8 at most, can be added 8 times in int16
     const int64_t flush = quant.zero_point >= 120 && quant.zero_point <= 136 ? kW8Pairs : kW8Pairs / 2;
@@ -1766,11 +1842,19 @@ struct W8Kernel {
     int64_t splits = parallel ? std::clamp<int64_t>(pairs / (2 * flush), 1, max_splits) : 1;
     const int64_t split_pairs = (pairs + splits - 1) / splits;
     splits = (pairs + split_pairs - 1) / split_pairs;
-    thread_local std::vector<int32_t> partial;
-    partial.resize(static_cast<size_t>(splits * n));
+    grow(partial, splits * n);
     W8Job job{a.data(), parts.data(), static_cast<const uint8_t*>(w.GetTensorRawData()), partial.data(), k, n, splits, split_pairs, flush,
               static_cast<uint8_t>(wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 ? 0x80 : 0), 0, quant.scale,
               w_scale.GetTensorData<float>(), scales != 1, nullptr};
+    if (wt_value != nullptr) {
+      find_outliers(xs, rows, k, lo, hi, outliers);
+      if (rows == 1) {  // one row (decode): its outliers' table rows are fetched during the sums (see W8Job)
+        job.table = static_cast<const char*>(Ort::ConstValue{wt_value}.GetTensorRawData());
+        job.channels = outliers.channel.data();
+        job.outliers = static_cast<int64_t>(outliers.channel.size());
+        job.row_bytes = n * (wt_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 2 : 4);
+      }
+    }
     const size_t finishes = static_cast<size_t>((n + kW8Finish - 1) / kW8Finish);
     for (int64_t r = 0; r < rows; ++r) {
       quantize_row(xs + r * k, k, quant, codes.data());
@@ -1796,8 +1880,6 @@ struct W8Kernel {
         w8_finish(job, 0, n);
     }
     if (wt_value != nullptr) {  // y = residual + (y + the outliers' correction)
-      Outliers outliers;
-      find_outliers(xs, rows, k, lo, hi, outliers);
       if (!outliers.channel.empty() || residual != nullptr) {
         Ort::ConstValue wt{wt_value};
         if (wt_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
