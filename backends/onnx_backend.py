@@ -73,7 +73,7 @@ import numpy as np
 
 from llmc import __version__
 from llmc.analyses import ChunkPlan, DecodeGraph, DecodePlan, Subgraph
-from llmc.errors import UnsupportedModelError
+from llmc.errors import CompileError, UnsupportedModelError
 from llmc.ir import Graph, Node, Value, WeightRef
 from llmc.ops import sliced_whole
 from llmc.runtime.kernels import shadow_blocks
@@ -731,9 +731,10 @@ class _DecodeBuilder(_Builder):
             self.extra_inputs.append(vi(DECODE_LOGIT_ROWS, TensorProto.INT64, [DECODE_LOGIT_ROWS]))
             self.selected = {v.name for n in graph.downstream("SelectRows", dg.subgraph.nodes) for v in n.outputs}
         int8 = {n.attrs["layer"] for n in graph.find("Attention") if "k_scale" in n.weights}  # quantize_kv_cache
+        half = {n.attrs["layer"] for n in graph.find("Attention") if n.attrs.get("kv_dtype") == "float16"}  # float16_kv_cache
         for layer, kv, d in dg.layers:
             shape, names = [1, kv, dg.capacity, d], _kv_names(layer)
-            elem = TensorProto.INT8 if layer in int8 else TensorProto.FLOAT
+            elem = TensorProto.INT8 if layer in int8 else TensorProto.FLOAT16 if layer in half else TensorProto.FLOAT
             self.extra_inputs += [vi(names[k], elem, shape) for k in ("past_key", "past_value")]
             self.extra_outputs += [vi(names[k], elem, shape) for k in ("present_key", "present_value")]
 
@@ -773,6 +774,10 @@ class _DecodeBuilder(_Builder):
         hd, kvd = a["num_heads"] * a["head_dim"], a["num_kv_heads"] * a["head_dim"]
         rotary = ["rotary.cos_cache", "rotary.sin_cache"] if self.node_rotates(n) else []
         native = self.native and attention_takes(a["num_heads"], a["num_kv_heads"], a["head_dim"], self.rows)
+        half = a.get("kv_dtype") == "float16"
+        if half and not native:  # fuse_decode_graph builds no such graph (why_not)
+            raise CompileError(f"{p} has a float16 KV cache, which ONNX Runtime's GroupQueryAttention does not take with float32 queries",
+                               hint="compile with --cpu-kernels native, or --kv-cache float32")
         flat = native and (bool(rotary) or not a["rotary_dim"])  # the node takes and makes [rows, F]
         if not flat:
             for v, width in zip(qkv, [hd + 2 * kvd] if packed is not None else [hd, kvd, kvd]):
@@ -802,7 +807,7 @@ class _DecodeBuilder(_Builder):
         if native:
             # llmc's native op (--cpu-kernels native): GroupQueryAttention's inputs and attributes
             attrs.pop("rotary_interleaved", None)
-            op = "DecodeAttentionInt8" if "k_scale" in n.weights else "DecodeAttention"
+            op = "DecodeAttentionInt8" if "k_scale" in n.weights else "DecodeAttentionFloat16" if half else "DecodeAttention"
             self.add(op, ins, [y[0] if flat else f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=NATIVE_DOMAIN, **attrs)
         else:
             self.add("GroupQueryAttention", ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=MS_DOMAIN, **attrs)

@@ -73,8 +73,8 @@ def cli(verbose: int) -> None:
 @click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True,
               help="[cpu] Weight format: float32, or int4 (weight-only, blocks of 32 weights with a scale and an offset, llama.cpp's Q4_1 grid, "
                    "the LM head at 8 bits; float activations; not with --memory-budget).")
-@click.option("--kv-cache", type=click.Choice(["float32", "int8"]), default="float32", show_default=True,
-              help="KV cache format: float32, or int8 with per-channel scales from calibration (adds the calibrate pass; "
+@click.option("--kv-cache", type=click.Choice(["float32", "int8", "float16"]), default="float32", show_default=True,
+              help="KV cache format: float32, float16 (half the bytes, no calibration; needs --cpu-kernels native), or int8 with per-channel scales from calibration (adds the calibrate pass; "
                    "a quarter of the cache's bytes; docs/quantization.md).")
 @click.option("--mlir-dialect", type=click.Choice(["tosa", "linalg"]), default="tosa", show_default=True, help="[mlir] Dialect of the emitted modules.")
 @click.option("--repro-dir", type=click.Path(file_okay=False), default=None, help="[mlir] Where lowering reproducers go (default: llmc-repro/ next to -o).")
@@ -190,7 +190,7 @@ def _peak_rss_mb() -> float:
 @click.option("--prompt-len", type=click.IntRange(1), default=1024, show_default=True, help="Prompt length to predict prefill for.")
 @click.option("--target", type=click.Choice(["npu", "cpu"]), default="npu", show_default=True, help="Program shape to plan: W8A8 with shadow outliers (npu) or float32 (cpu).")
 @click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True, help="[cpu] Plan the int4 weight-only program (as compile --weights int4).")
-@click.option("--kv-cache", type=click.Choice(["float32", "int8"]), default="float32", show_default=True, help="Plan with an int8 KV cache (as compile --kv-cache int8).")
+@click.option("--kv-cache", type=click.Choice(["float32", "int8", "float16"]), default="float32", show_default=True, help="Plan with an int8 or float16 KV cache (as compile --kv-cache).")
 @click.option("--weight-bits", type=click.Choice(["8", "7"]), default="8", show_default=True,
               help="[npu] Plan 7-bit weight codes (as compile --weight-bits 7): CPU matmuls at the profile's cpu.int8_7bit_ops_per_s.")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C.")
@@ -227,7 +227,7 @@ def plan(model, profile, prompt_len, target, weights, kv_cache, weight_bits, chu
     click.echo(f"placement  prefill {d['placement']['prefill']['npu']} steps on NPU / {d['placement']['prefill']['cpu']} on CPU; "
                f"decode {d['placement']['decode']['npu']} / {d['placement']['decode']['cpu']}")
     click.echo(f"decode     {dec['tok_s']:.1f} tok/s ({dec['s_per_token'] * 1e3:.1f} ms/token)")
-    click.echo(f"memory     weights {format_size(mem['weight_bytes'])}, {'int8 ' if kv_cache == 'int8' else ''}KV cache "
+    click.echo(f"memory     weights {format_size(mem['weight_bytes'])}, {kv_cache + ' ' if kv_cache != 'float32' else ''}KV cache "
                f"{format_size(mem['kv_cache_bytes'])} at {prompt_len} tokens")
     if "offload" in d:
         o = d["offload"]
@@ -516,9 +516,9 @@ def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, 
 def _kv_cache_summary(m: dict) -> dict:
     """The KV cache a session of bundle manifest ``m`` allocates: element type and bytes."""
     attn = [s for s in m["program"] if s["kind"] == "op" and s["op"] == "Attention"]
-    int8 = [s for s in attn if "k_scale" in s.get("weights", {})]
-    per_pos = sum(2 * s["attrs"]["num_kv_heads"] * s["attrs"]["head_dim"] * (1 if s in int8 else 4) for s in attn)
-    dtype = "int8" if attn and len(int8) == len(attn) else "float32" if not int8 else "mixed"
+    kinds = ["int8" if "k_scale" in s.get("weights", {}) else s["attrs"].get("kv_dtype", "float32") for s in attn]
+    per_pos = sum(2 * s["attrs"]["num_kv_heads"] * s["attrs"]["head_dim"] * {"int8": 1, "float16": 2}.get(k, 4) for s, k in zip(attn, kinds))
+    dtype = kinds[0] if kinds and len(set(kinds)) == 1 else "float32" if not kinds else "mixed"
     return {"dtype": dtype, "bytes_per_position": per_pos, "bytes": per_pos * m["max_context"]}
 
 

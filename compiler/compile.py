@@ -102,7 +102,7 @@ def default_pipeline(target: str) -> str:
     return DEFAULT_PIPELINES[target]
 
 
-KV_CACHE_FORMATS = ("float32", "int8")
+KV_CACHE_FORMATS = ("float32", "int8", "float16")
 PLAN_ONLY = ("assume_shadow_plan", "assume_kv_cache")  # placeholder analyses for planning from a config: never in a bundle
 _BEFORE_CALIBRATION = ("dce", "select_logit_rows", "calibrate")  # passes that may run before calibrate (it needs float Linears)
 
@@ -134,6 +134,26 @@ def with_kv_cache(names: list[str], assume: bool = False) -> list[str]:
         i = next((j for j, n in enumerate(names) if n not in _BEFORE_CALIBRATION), len(names))
         added = ["assume_kv_cache"] if assume else ["calibrate", "quantize_kv_cache"]
     return names[:i] + added + names[i:]
+
+
+def with_float16_kv_cache(names: list[str]) -> list[str]:
+    """The pass names of ``names`` with ``float16_kv_cache`` first (it needs no analysis, and every later pass,
+    calibration included, then sees the float16 cache)."""
+    return list(names) if "float16_kv_cache" in names else ["float16_kv_cache", *names]
+
+
+def check_float16_kv_cache(cpu_kernels: str, memory_budget: str | None) -> None:
+    """--kv-cache float16 needs llmc's native attention, which reads float16 caches in the decode graph (ONNX Runtime's
+    GroupQueryAttention takes them only with float16 queries), and no --memory-budget (a budgeted bundle attends in its
+    chunk program, whose float16 layers the numpy kernel would run)."""
+    if cpu_kernels != "native":
+        raise CompileError("--kv-cache float16 needs --cpu-kernels native: llmc's attention op reads a float16 cache, "
+                           "ONNX Runtime's GroupQueryAttention takes one only with float16 queries",
+                           hint="add --cpu-kernels native (see `llmc kernels build`), or use --kv-cache int8 or float32")
+    if memory_budget is not None:
+        raise CompileError("--kv-cache float16 does not combine with --memory-budget: a budgeted bundle attends in its chunk program, "
+                           "where a float16 cache would run numpy's attention",
+                           hint="use --kv-cache int8 (a quarter of the float32 cache) with --memory-budget")
 
 
 def resolve_profile(profile: str | None, soc: str | None) -> str:
@@ -182,7 +202,8 @@ def compile_model(
     pruned_percentile, hot_budget, weight_granularity, weight_bits); they matter for ``target="npu"``.
     ``weight_format="int4"`` (``target="cpu"`` only) runs the ``cpu-int4`` pipeline: weight-only
     int4 Linears (``quantize_int4``). ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
-    ``calibrate`` where the pipeline has none, see :func:`with_kv_cache`): an int8 KV cache.
+    ``calibrate`` where the pipeline has none, see :func:`with_kv_cache`): an int8 KV cache; ``kv_cache="float16"``
+    adds ``float16_kv_cache`` (first, :func:`with_float16_kv_cache`) and needs ``cpu_kernels="native"``.
     ``cpu_kernels="native"`` writes the shadow corrections (over float16 weight tables), the decode graph's
     attention (one row, and chunks, over int8 caches and in sliding windows too), gated MLP activations, the
     norms before W8A8 projections and int4's one-row 4-bit projections as llmc's native ops
@@ -240,6 +261,9 @@ def compile_model(
             passes = parse_pipeline(",".join(with_smoothing([p.name for p in passes])), REGISTRY)
     if kv_cache == "int8":
         passes = parse_pipeline(",".join(with_kv_cache([p.name for p in passes])), REGISTRY)
+    if kv_cache == "float16":
+        check_float16_kv_cache(cpu_kernels, quant_options.get("memory_budget"))
+        passes = parse_pipeline(",".join(with_float16_kv_cache([p.name for p in passes])), REGISTRY)
     names = [p.name for p in passes]
     placeholders = [n for n in names if n in PLAN_ONLY]
     if placeholders:

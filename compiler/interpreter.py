@@ -57,6 +57,7 @@ class Interpreter:
         self.attn_layers = {n.attrs["layer"]: (n.attrs["num_kv_heads"], n.attrs["head_dim"]) for n in graph.find("Attention")}
         # an int8 cache's per-channel scales (quantize_kv_cache)
         self.kv_scales = {n.attrs["layer"]: (self.weight(n, "k_scale"), self.weight(n, "v_scale")) for n in graph.find("Attention") if "k_scale" in n.weights}
+        self.kv_half = {n.attrs["layer"] for n in graph.find("Attention") if n.attrs.get("kv_dtype") == "float16"}  # float16_kv_cache
         self.peak_live_bytes = 0
         # the index of each value's last reader; graph outputs are read at the end
         self._last_use: dict[str, int] = {}
@@ -86,7 +87,7 @@ class Interpreter:
         """
         ids = np.asarray(ids, np.int64)
         T = len(ids)
-        cache = kernels.KVCache(self.attn_layers, T, self.kv_scales)
+        cache = kernels.KVCache(self.attn_layers, T, self.kv_scales, self.kv_half)
         env: dict[str, np.ndarray] = {}
         for v in self.graph.inputs:
             env[v.name] = ids if v.name.startswith("input_ids") else np.arange(T, dtype=np.int64)

@@ -204,13 +204,15 @@ def _attention(node: "Node"):
     scales = [node.weights[w] for w in ("k_scale", "v_scale") if w in node.weights]
     if scales and (len(scales) != 2 or any(w.shape != (kv, d) for w in scales)):
         raise ValueError(f"an int8 KV cache needs k_scale and v_scale of shape ({kv}, {d}), has {[w.shape for w in scales]}")
+    if a.get("kv_dtype", "float32") not in ("float32", "float16") or (scales and a.get("kv_dtype", "float32") != "float32"):
+        raise ValueError(f"kv_dtype {a.get('kv_dtype')!r}: a cache is float32, float16 (kv_dtype) or int8 (k_scale/v_scale, no kv_dtype)")
     return [((q.shape[0], h * d), "float32")]
 
 
 def kv_cache_itemsize(attention: "Node") -> int:
     """Bytes per cached K or V element of an ``Attention`` node: 1 with ``k_scale``/``v_scale``
-    (an int8 cache, ``quantize_kv_cache``), else 4 (float32)."""
-    return 1 if "k_scale" in attention.weights else 4
+    (an int8 cache, ``quantize_kv_cache``), 2 with ``kv_dtype`` float16 (``float16_kv_cache``), else 4 (float32)."""
+    return 1 if "k_scale" in attention.weights else 2 if attention.attrs.get("kv_dtype") == "float16" else 4
 
 
 def sliced_whole(shadow: "Node") -> "Value | None":
@@ -249,7 +251,7 @@ OPS: dict[str, OpDef] = {
             ("layer", "num_heads", "num_kv_heads", "head_dim", "scale", "rotary_dim", "sliding_window"),
             (),
             ("k_scale", "v_scale"),
-            "causal GQA attention with rotary embedding over the KV cache (CPU, per chunk); int8 cache with k_scale/v_scale",
+            "causal GQA attention with rotary embedding over the KV cache (CPU, per chunk); int8 cache with k_scale/v_scale, float16 with kv_dtype",
             _attention,
         ),
         OpDef("SelectRows", "dynamic", (1, 1), ("rows",), (), (), "pick the rows that need logits (last token, or all for scoring)", _select_rows),

@@ -98,7 +98,7 @@ class PlanResult:
     schedule: Schedule
     offload: OffloadPlan | None
     weight_bytes: int  # what the deployed program reads: int8 matrices, vectors, tables
-    kv_cache_bytes: int  # K and V for the prompt (float32, or int8 with --kv-cache int8)
+    kv_cache_bytes: int  # K and V for the prompt (float32, or int8 / float16 with --kv-cache)
 
     @property
     def prefill_tok_s(self) -> float:
@@ -164,7 +164,7 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
                memory_budget: str | None = None, prefetch_depth: int = 2, pipeline: str | None = None,
                shadow: bool = True, shadow_keep: float = 1.0, weight_format: str = "float32", kv_cache: str = "float32",
                weight_bits: int = 8) -> PlanResult:
-    from llmc.compile import check_kv_cache_format, with_kv_cache
+    from llmc.compile import check_kv_cache_format, with_float16_kv_cache, with_kv_cache
     from llmc.errors import CompileError
     from llmc.passes import DEFAULT_PIPELINES
     from llmc.passes.quantize_int4 import check_weight_format
@@ -188,6 +188,8 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
         raise CompileError(f"--weight-bits {weight_bits} applies to --target npu (its W8A8 weights), not {target}")
     if kv_cache == "int8":
         pipeline = ",".join(with_kv_cache((pipeline or DEFAULT_PIPELINES[f"plan-{target}"]).split(","), assume=True))
+    elif kv_cache == "float16":
+        pipeline = ",".join(with_float16_kv_cache((pipeline or DEFAULT_PIPELINES[f"plan-{target}"]).split(",")))
     max_context = max_context or chunk * math.ceil(prompt_len / chunk)
     if prompt_len > max_context:
         raise CompileError(f"--prompt-len {prompt_len} exceeds --max-context {max_context}")

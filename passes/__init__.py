@@ -11,6 +11,7 @@ from llmc.passes.calibrate_ranges import CalibrateRanges
 from llmc.passes.chunk_static_graphs import ChunkStaticGraphs
 from llmc.passes.dce import DeadCodeElimination
 from llmc.passes.extract_shadow_outliers import ExtractShadowOutliers
+from llmc.passes.float16_kv_cache import Float16KVCache
 from llmc.passes.fold_block_offsets import FoldBlockOffsets
 from llmc.passes.fuse_cpu_decode import FuseCpuDecode
 from llmc.passes.fuse_decode_graph import FuseDecodeGraph
@@ -24,7 +25,7 @@ from llmc.passes.schedule import ScheduleSteps
 from llmc.passes.select_logit_rows import SelectLogitRows
 from llmc.passes.smooth_activations import SmoothActivations
 
-ALL_PASSES = [DeadCodeElimination, Calibrate, SmoothActivations, QuantizeKVCache, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, FoldBlockOffsets, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
+ALL_PASSES = [DeadCodeElimination, Calibrate, SmoothActivations, QuantizeKVCache, Float16KVCache, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, FoldBlockOffsets, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
               AssumeShadowPlan, AssumeKVCache]
 REGISTRY = {p.name: p for p in ALL_PASSES}
 

@@ -61,8 +61,9 @@ EMBEDDINGS = ("Embedding", "BlockEmbedding")  # run by the runtime before the gr
 LOWERED_DYNAMIC_OPS = ("RotaryTable", "Attention", "SelectRows", "ShadowOutliers")
 
 
-def why_not(graph: Graph) -> str | None:
-    """Why ``graph`` cannot be one decode graph, or None if it can."""
+def why_not(graph: Graph, native: bool = False) -> str | None:
+    """Why ``graph`` cannot be one decode graph, or None if it can. A float16 KV cache (``float16_kv_cache``)
+    needs llmc's native attention (``native``: --cpu-kernels native) to take every node at one row."""
     for n in graph.nodes:
         if n.op in EMBEDDINGS:
             if n.inputs[0] is not graph.inputs[0]:
@@ -88,6 +89,9 @@ def why_not(graph: Graph) -> str | None:
             return f"{n.name} does not take its rotation from {table.name}"
         if n.attrs["head_dim"] % GQA_HEAD_MULTIPLE:
             return f"{n.name} has heads of {n.attrs['head_dim']}, and ONNX Runtime's GroupQueryAttention needs a multiple of {GQA_HEAD_MULTIPLE}"
+        a = n.attrs
+        if a.get("kv_dtype") == "float16" and not (native and attention_takes(a["num_heads"], a["num_kv_heads"], a["head_dim"], rows=1)):
+            return f"{n.name} has a float16 KV cache, which only llmc's native attention takes in a graph"
     return None
 
 
@@ -107,6 +111,8 @@ def why_not_chunks(graph: Graph, native: bool = False) -> str | None:
             continue
         if "k_scale" in n.weights:
             return f"{n.name} has an int8 KV cache"
+        if a.get("kv_dtype") == "float16":
+            return f"{n.name} has a float16 KV cache"
         if a["sliding_window"]:
             return f"{n.name} attends in a sliding window"
     return None
@@ -122,7 +128,7 @@ class FuseDecodeGraph(Pass):
         if ctx.options.memory_budget:
             log.info("%s: skipped, a budgeted bundle streams weights per step of the chunk program", self.name)
             return PassResult(False)
-        reason = why_not(graph)
+        reason = why_not(graph, ctx.options.cpu_kernels == "native")
         if reason is not None:
             log.info("%s: skipped, %s; decode keeps one call per graph and per attention", self.name, reason)
             return PassResult(False)

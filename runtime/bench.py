@@ -48,7 +48,7 @@ class BenchResult:
     peak_rss_mb: float
     decode_path: str = ""  # Session.decode_path: what ran each decode step
     offload: dict | None = None  # memory-budgeted bundles: residency and streaming figures over all runs
-    kv_cache: str = ""  # the KV cache's element type: "float32", or "int8" (--kv-cache int8)
+    kv_cache: str = ""  # the KV cache's element type: "float32", "float16" or "int8" (--kv-cache)
     kv_cache_bytes: int = 0  # allocated for the bundle's max context
     int8_kernels: str | None = None  # Session.int8_kernels: "u8s8", "u8u8", or None without W8A8 weights
     prefill_path: str = ""  # Session.prefill_path: what ran the prompt's chunks

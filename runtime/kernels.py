@@ -20,15 +20,20 @@ class KVCache:
     A layer listed in ``scales`` (``(k_scale, v_scale)``, each ``[kv_heads, head_dim]``)
     keeps int8 codes: a stored row is ``clip(rint(x / scale), -128, 127)`` and reads
     back as ``code * scale`` (ONNX Runtime's ``GroupQueryAttention`` with a
-    ``PER_CHANNEL`` int8 cache; ``llmc.passes.quantize_kv_cache``). Other layers are float32.
+    ``PER_CHANNEL`` int8 cache; ``llmc.passes.quantize_kv_cache``). A layer in ``half``
+    keeps float16: a stored row is the nearest half (ties to even), read back as float32
+    (``llmc.passes.float16_kv_cache``). Other layers are float32.
     """
 
     def __init__(self, layers: dict[int, tuple[int, int]], capacity: int,
-                 scales: dict[int, tuple[np.ndarray, np.ndarray]] | None = None) -> None:
+                 scales: dict[int, tuple[np.ndarray, np.ndarray]] | None = None, half: set[int] | frozenset[int] = frozenset()) -> None:
         self.capacity = capacity
         self.scales = {l: (np.asarray(k, np.float32).reshape(layers[l]), np.asarray(v, np.float32).reshape(layers[l]))
                        for l, (k, v) in (scales or {}).items()}
-        dtype = {l: np.int8 if l in self.scales else np.float32 for l in layers}
+        both = set(self.scales) & set(half)
+        if both:
+            raise ValueError(f"layer {min(both)}'s KV cache cannot be both int8 and float16")
+        dtype = {l: np.int8 if l in self.scales else np.float16 if l in half else np.float32 for l in layers}
         self.k = {l: np.zeros((kv, capacity, d), dtype[l]) for l, (kv, d) in layers.items()}
         self.v = {l: np.zeros((kv, capacity, d), dtype[l]) for l, (kv, d) in layers.items()}
 
@@ -38,6 +43,10 @@ class KVCache:
 
     def quantized(self, layer: int) -> bool:
         return layer in self.scales
+
+    def dtype(self, layer: int) -> str:
+        """The element type layer ``layer``'s cache holds: ``"float32"``, ``"float16"`` or ``"int8"``."""
+        return str(self.k[layer].dtype)
 
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store rows ``k``/``v`` (``[kv_heads, n, head_dim]``) at positions ``start..``."""
@@ -49,8 +58,11 @@ class KVCache:
 
     def read(self, layer: int, lo: int, end: int, out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """K and V (``[kv_heads, end - lo, head_dim]``, float32) of positions ``lo..end-1``: views of a
-        float32 layer, the dequantized codes of an int8 one (into ``out``'s two arrays when given)."""
+        float32 layer, float32 copies of a float16 one, the dequantized codes of an int8 one (into ``out``'s
+        two arrays when given)."""
         k, v = self.k[layer][:, lo:end], self.v[layer][:, lo:end]
+        if k.dtype == np.float16 and out is None:
+            return k.astype(np.float32), v.astype(np.float32)
         if layer not in self.scales:
             if out is not None:
                 np.copyto(out[0], k)
@@ -173,12 +185,17 @@ def attention(
     scale: float,
     rotary_dim: int,
     sliding_window: int,
+    kv_dtype: str = "float32",
 ) -> np.ndarray:
     """Causal GQA attention of ``n`` new rows at positions ``start..start+n-1``.
 
     Writes the new K/V rows into the cache, attends over ``[0, start + n)``, and
     returns ``[rows, heads*head_dim]`` with rows past ``n`` (chunk padding) zero.
+    ``kv_dtype`` (the node's, ``float16`` from ``float16_kv_cache``) must be the
+    element type the cache keeps for the layer (an int8 cache's node has none).
     """
+    if kv_dtype != "float32" and cache.dtype(layer) != kv_dtype:
+        raise ValueError(f"layer {layer}'s attention needs a {kv_dtype} KV cache, the cache holds {cache.dtype(layer)}")
     rows = q.shape[0]
     h, kvh, d = num_heads, num_kv_heads, head_dim
     g = h // kvh

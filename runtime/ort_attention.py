@@ -149,8 +149,8 @@ class OrtAttention:
     @staticmethod
     def supports(attrs: dict[str, Any]) -> bool:
         """Whether this class runs the Attention step of ``attrs`` (else the numpy kernel does): no
-        sliding window, and a head size ONNX Runtime's node takes."""
-        return not attrs["sliding_window"] and attrs["head_dim"] % GQA_HEAD_MULTIPLE == 0
+        sliding window, a head size ONNX Runtime's node takes, and a float32 or int8 cache (not float16)."""
+        return not attrs["sliding_window"] and attrs["head_dim"] % GQA_HEAD_MULTIPLE == 0 and attrs.get("kv_dtype", "float32") == "float32"
 
     def prepare(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, rotary_dim: int = 0, one_row: bool = True, *,
                 layer: int, **_: Any) -> None:

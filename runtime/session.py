@@ -273,6 +273,9 @@ class Session:
                            for s in self.program if s["kind"] == "op" and s["op"] == "Attention" and "k_scale" in s.get("weights", {})}
         if self._kv_scales:
             check_int8_cache_support(ort, self.bundle)
+        # the layers whose cache holds float16 (float16_kv_cache)
+        self._kv_half = {s["attrs"]["layer"] for s in self.program
+                         if s["kind"] == "op" and s["op"] == "Attention" and s["attrs"].get("kv_dtype") == "float16"}
         if not lazy:
             self.warmup()
 
@@ -550,7 +553,7 @@ class Session:
     # -- execution -----------------------------------------------------------
     def reset(self) -> None:
         if self.cache is None:
-            self.cache = kernels.KVCache(self._attn_layers, self.max_context, self._kv_scales)
+            self.cache = kernels.KVCache(self._attn_layers, self.max_context, self._kv_scales, self._kv_half)
             self._attention = OrtAttention(self._ort, self.cache, self._threads)
         self.position = 0
 

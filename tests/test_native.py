@@ -471,12 +471,17 @@ def test_more_than_16_query_heads_per_kv_head_keep_group_query_attention(tmp_pat
                                                    "total": np.ones((), np.int32)})
 
 
-@pytest.mark.parametrize("d,heads,kv,int8,flat", [(16, 4, 2, False, False), (80, 4, 2, False, True), (20, 4, 2, False, False),
-                                                (16, 14, 2, False, False), (80, 7, 1, True, False), (20, 5, 1, True, True),
-                                                (16, 4, 2, True, False)])
-def test_decode_attention_against_numpy(native_kernels, d, heads, kv, int8, flat):
-    """DecodeAttention (and DecodeAttentionInt8, int8 caches with per-channel scales) alone, q/k/v separate, no
-    rotary, 300 positions (3 split-K blocks, a partial one): the new K/V row lands at seqlens_k (as its codes),
+_CACHE_OPS = {"float32": ("DecodeAttention", np.float32), "int8": ("DecodeAttentionInt8", np.int8),
+              "float16": ("DecodeAttentionFloat16", np.float16)}
+
+
+@pytest.mark.parametrize("d,heads,kv,cache,flat", [(16, 4, 2, "float32", False), (80, 4, 2, "float32", True), (20, 4, 2, "float32", False),
+                                                 (16, 14, 2, "float32", False), (80, 7, 1, "int8", False), (20, 5, 1, "int8", True),
+                                                 (16, 4, 2, "int8", False), (16, 4, 2, "float16", False), (80, 7, 1, "float16", True),
+                                                 (20, 5, 1, "float16", False)])
+def test_decode_attention_against_numpy(native_kernels, d, heads, kv, cache, flat):
+    """DecodeAttention (and DecodeAttentionInt8, int8 caches with per-channel scales, and DecodeAttentionFloat16,
+    float16 caches) alone, q/k/v separate, no rotary, 300 positions (3 split-K blocks, a partial one): the new K/V row lands at seqlens_k (as its codes),
     the output is softmax(q k^T * scale) v per head over the group's KV head, and a NaN in one head's query
     makes that head's output NaN and no other's. Head sizes: whole vectors (16), whole vectors past the widest
     register block (80), and one the vector loops do not take (20). Groups of 2, 5, 7 query heads per KV head:
@@ -484,14 +489,16 @@ def test_decode_attention_against_numpy(native_kernels, d, heads, kv, int8, flat
     a part-filled batch. flat: q, k, v and the output without the leading 1 ([rows, F], as the decode graph
     feeds the projection's rows)."""
     from onnx import TensorProto, helper
+    from onnx.helper import np_dtype_to_tensor_dtype
 
     cap, p = 320, 299
     lead = [] if flat else [1]
     vi = helper.make_tensor_value_info
-    ct = TensorProto.INT8 if int8 else TensorProto.FLOAT
+    op, dtype = _CACHE_OPS[cache]
+    int8 = cache == "int8"
+    ct = np_dtype_to_tensor_dtype(np.dtype(dtype))
     names = ["q", "k", "v", "pk", "pv", "seqlens", "total"] + (["", "", "ks", "vs"] if int8 else [])
-    node = helper.make_node("DecodeAttentionInt8" if int8 else "DecodeAttention", names, ["o", "ck", "cv"], domain="ai.llmc",
-                            num_heads=heads, kv_num_heads=kv, scale=0.25)
+    node = helper.make_node(op, names, ["o", "ck", "cv"], domain="ai.llmc", num_heads=heads, kv_num_heads=kv, scale=0.25)
     inputs = [vi("q", TensorProto.FLOAT, lead + [1, heads * d]), vi("k", TensorProto.FLOAT, lead + [1, kv * d]),
               vi("v", TensorProto.FLOAT, lead + [1, kv * d]), vi("pk", ct, [1, kv, cap, d]), vi("pv", ct, [1, kv, cap, d]),
               vi("seqlens", TensorProto.INT32, [1]), vi("total", TensorProto.INT32, [])]
@@ -507,10 +514,10 @@ def test_decode_attention_against_numpy(native_kernels, d, heads, kv, int8, flat
         pk, pv = (rng.integers(-128, 128, (1, kv, cap, d), dtype=np.int8) for _ in range(2))
         feeds.update(pk=pk, pv=pv, ks=ks, vs=vs)
         new_k, new_v = (np.clip(np.rint(x.reshape(kv, d) / sc[0, :, 0]), -128, 127).astype(np.int8) for x, sc in ((k, ks), (v, vs)))
-    else:
-        pk, pv = (rng.standard_normal((1, kv, cap, d)).astype(np.float32) for _ in range(2))
+    else:  # float16: a new row is stored as numpy rounds it
+        pk, pv = (rng.standard_normal((1, kv, cap, d)).astype(dtype) for _ in range(2))
         feeds.update(pk=pk, pv=pv)
-        new_k, new_v = k.reshape(kv, d), v.reshape(kv, d)
+        new_k, new_v = k.reshape(kv, d).astype(dtype), v.reshape(kv, d).astype(dtype)
     o, ck, cv = sess.run(None, feeds)
     assert o.shape == (*lead, 1, heads * d)
     K, V = pk[0].copy(), pv[0].copy()
@@ -519,6 +526,7 @@ def test_decode_attention_against_numpy(native_kernels, d, heads, kv, int8, flat
     np.testing.assert_array_equal(cv[0, :, p], V[:, p])
     if int8:
         K, V = K * ks[0], V * vs[0]
+    K, V = K.astype(np.float32), V.astype(np.float32)
     group = heads // kv
     for h in range(heads):
         s = K[h // group, : p + 1].astype(np.float64) @ q.reshape(heads, d)[h] * 0.25
@@ -530,36 +538,40 @@ def test_decode_attention_against_numpy(native_kernels, d, heads, kv, int8, flat
     assert np.isnan(o[last]).all() and np.isfinite(o[:last]).all()
 
 
-@pytest.mark.parametrize("d,window", [(32, 0), (80, 0), (32, 30)])
-def test_chunk_attention_against_numpy(native_kernels, d, window):
-    """DecodeAttention at 21 rows (two blocks of positions, 3 query heads per KV head: row groups that end
-    part-filled) after 70 cached positions (two blocks of keys): the rows land at their positions, each row
-    attends causally to the positions up to its own (with a window, the last 30 of them), over head sizes
-    in whole blocks of 64 columns and not (80); a NaN in one row's query head makes that row and head NaN."""
+@pytest.mark.parametrize("d,window,cache", [(32, 0, "float32"), (80, 0, "float32"), (32, 30, "float32"), (32, 0, "float16"), (80, 30, "float16")])
+def test_chunk_attention_against_numpy(native_kernels, d, window, cache):
+    """DecodeAttention (and DecodeAttentionFloat16) at 21 rows (two blocks of positions, 3 query heads per KV head:
+    row groups that end part-filled) after 70 cached positions (two blocks of keys): the rows land at their
+    positions, each row attends causally to the positions up to its own (with a window, the last 30 of them), over
+    head sizes in whole blocks of 64 columns and not (80); a NaN in one row's query head makes that row and head NaN."""
     from onnx import TensorProto, helper
+    from onnx.helper import np_dtype_to_tensor_dtype
 
     heads, kv, cap, p0, rows = 6, 2, 128, 70, 21
     p = p0 + rows - 1
     vi = helper.make_tensor_value_info
+    op, dtype = _CACHE_OPS[cache]
+    ct = np_dtype_to_tensor_dtype(np.dtype(dtype))
     attrs = {"local_window_size": window} if window else {}
-    node = helper.make_node("DecodeAttention", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["o", "ck", "cv"], domain="ai.llmc",
+    node = helper.make_node(op, ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["o", "ck", "cv"], domain="ai.llmc",
                             num_heads=heads, kv_num_heads=kv, scale=0.2, **attrs)
     g = helper.make_graph([node], "g", [vi("q", TensorProto.FLOAT, [1, rows, heads * d]), vi("k", TensorProto.FLOAT, [1, rows, kv * d]),
-                                        vi("v", TensorProto.FLOAT, [1, rows, kv * d]), vi("pk", TensorProto.FLOAT, [1, kv, cap, d]),
-                                        vi("pv", TensorProto.FLOAT, [1, kv, cap, d]), vi("seqlens", TensorProto.INT32, [1]),
+                                        vi("v", TensorProto.FLOAT, [1, rows, kv * d]), vi("pk", ct, [1, kv, cap, d]),
+                                        vi("pv", ct, [1, kv, cap, d]), vi("seqlens", TensorProto.INT32, [1]),
                                         vi("total", TensorProto.INT32, [])],
-                          [vi("o", TensorProto.FLOAT, None), vi("ck", TensorProto.FLOAT, None), vi("cv", TensorProto.FLOAT, None)])
+                          [vi("o", TensorProto.FLOAT, None), vi("ck", ct, None), vi("cv", ct, None)])
     sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
     rng = np.random.default_rng(d + window)
     q, k, v = (rng.standard_normal((1, rows, n * d)).astype(np.float32) for n in (heads, kv, kv))
-    pk, pv = (rng.standard_normal((1, kv, cap, d)).astype(np.float32) for _ in range(2))
+    pk, pv = (rng.standard_normal((1, kv, cap, d)).astype(dtype) for _ in range(2))
     feeds = {"q": q, "k": k, "v": v, "pk": pk, "pv": pv, "seqlens": np.array([p], np.int32), "total": np.array(p + 1, np.int32)}
     o, ck, cv = sess.run(None, feeds)
     K, V = pk[0].copy(), pv[0].copy()
-    K[:, p0 : p + 1] = k.reshape(rows, kv, d).transpose(1, 0, 2)
+    K[:, p0 : p + 1] = k.reshape(rows, kv, d).transpose(1, 0, 2)  # as the cache's type rounds them
     V[:, p0 : p + 1] = v.reshape(rows, kv, d).transpose(1, 0, 2)
     np.testing.assert_array_equal(ck[0, :, : p + 1], K[:, : p + 1])
     np.testing.assert_array_equal(cv[0, :, : p + 1], V[:, : p + 1])
+    K, V = K.astype(np.float32), V.astype(np.float32)
     o = o.reshape(rows, heads, d)
     for i in range(rows):
         pos = p0 + i
@@ -573,6 +585,35 @@ def test_chunk_attention_against_numpy(native_kernels, d, window):
     assert np.isnan(o[3, 1]).all()
     o[3, 1] = 0
     assert np.isfinite(o).all()
+
+
+def test_float16_cache_rows_round_as_numpy(native_kernels):
+    """DecodeAttentionFloat16 stores a new K/V row's floats as numpy's astype(float16) does: ties to even, subnormal
+    halves, overflow past 65504 to infinity (65519 down to 65504, 65520 up), signed zeros and NaN."""
+    from onnx import TensorProto, helper
+
+    kv, d, cap = 1, 64, 4
+    special = np.array([1 + 2**-11, 1 + 3 * 2**-11, 2**-25, 3 * 2**-25, 2**-24 * 1.5, 1e-8, -6e-5, 5.9e-8, 65504.0, 65519.0,
+                        65520.0, 1e6, -1e6, np.inf, -np.inf, -0.0, 0.0, np.nan, 3.14159, -2.7182817, 1e-3, 6.1e-5, -1.0 - 2**-11], np.float32)
+    rng = np.random.default_rng(4)
+    k = np.concatenate([special, (rng.standard_normal(d - special.size) * 10 ** rng.uniform(-9, 5, d - special.size)).astype(np.float32)])
+    vi = helper.make_tensor_value_info
+    node = helper.make_node("DecodeAttentionFloat16", ["q", "k", "v", "pk", "pv", "seqlens", "total"], ["o", "ck", "cv"], domain="ai.llmc",
+                            num_heads=1, kv_num_heads=kv, scale=1.0)
+    g = helper.make_graph([node], "g", [vi("q", TensorProto.FLOAT, [1, 1, d]), vi("k", TensorProto.FLOAT, [1, 1, d]), vi("v", TensorProto.FLOAT, [1, 1, d]),
+                                        vi("pk", TensorProto.FLOAT16, [1, kv, cap, d]), vi("pv", TensorProto.FLOAT16, [1, kv, cap, d]),
+                                        vi("seqlens", TensorProto.INT32, [1]), vi("total", TensorProto.INT32, [])],
+                          [vi("o", TensorProto.FLOAT, None), vi("ck", TensorProto.FLOAT16, None), vi("cv", TensorProto.FLOAT16, None)])
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    zeros = np.zeros((1, kv, cap, d), np.float16)
+    _, ck, cv = sess.run(None, {"q": np.zeros((1, 1, d), np.float32), "k": k.reshape(1, 1, d), "v": -k.reshape(1, 1, d), "pk": zeros,
+                                "pv": zeros, "seqlens": np.array([0], np.int32), "total": np.array(1, np.int32)})
+    with np.errstate(over="ignore"):
+        want_k, want_v = k.astype(np.float16), (-k).astype(np.float16)
+    nan = np.isnan(k)
+    for got, want in ((ck[0, 0, 0], want_k), (cv[0, 0, 0], want_v)):
+        assert np.isnan(got[nan]).all()
+        np.testing.assert_array_equal(got[~nan].view(np.uint16), want[~nan].view(np.uint16))
 
 
 def test_swiglu_against_numpy(native_kernels):

@@ -1,5 +1,5 @@
 // llmc's native CPU kernels: an ONNX Runtime custom-op library (domain "ai.llmc"): ShadowCorrection,
-// DecodeAttention (and DecodeAttentionInt8), SwiGLU, RMSNorm and BlockQMatMul (below).
+// DecodeAttention (and DecodeAttentionInt8, DecodeAttentionFloat16), SwiGLU, RMSNorm, BlockQMatMul and W8A8MatMul (below).
 //
 // ShadowCorrection(x[..., K], wt[K, N], base[..., N]?, residual[..., N]?; lo, hi) -> y[..., N]
 //
@@ -158,6 +158,33 @@ inline float half_to_float(uint16_t h) {
   std::memcpy(&magnitude, &out, sizeof out);
   return magnitude;
 }
+
+// A float as the nearest IEEE half (ties to even, as numpy's and F16C's conversions): overflow to infinity, NaN
+// kept NaN, tiny values to subnormals or zero.
+inline uint16_t float_to_half(float f) {
+#if defined(__F16C__)
+  return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
+  const uint32_t magnitude = bits & 0x7fffffff;
+  if (magnitude > 0x7f800000) return sign | 0x7e00;            // NaN
+  if (magnitude >= 0x477ff000) return sign | 0x7c00;           // 65520 and up (and infinity): infinity
+  if (magnitude < 0x38800000) {                                // below 2^-14: a subnormal half (or zero)
+    float m;
+    std::memcpy(&m, &magnitude, sizeof m);
+    return sign | static_cast<uint16_t>(std::nearbyint(m * 16777216.0f));  // in units of 2^-24, to even
+  }
+  // rebias the exponent (127 -> 15) and round the mantissa's 13 dropped bits to even
+  return sign | static_cast<uint16_t>((magnitude + 0xfff + ((magnitude >> 13) & 1) - 0x38000000) >> 13);
+#endif
+}
+
+// One cached element as a float: float32 as it is, float16 from its bits, an int8 code as its value.
+inline float as_float(float x) { return x; }
+inline float as_float(uint16_t x) { return half_to_float(x); }
+inline float as_float(int8_t x) { return static_cast<float>(x); }
 
 // The CPU's own vector of floats (kNative lanes: AVX-512 16, AVX 8, else 4), GCC's vector extension. The kernels'
 // vectors are this wide: GCC keeps a vector wider than the CPU's registers in memory when it sits in an array
@@ -489,7 +516,7 @@ const float* rows_as_float(const T* src, int64_t count, std::vector<float>& buf)
     buf.resize(static_cast<size_t>(count));
     int64_t i = 0;
     for (; i + kNative <= count; i += kNative) nstore(buf.data() + i, nload16(src + i));
-    for (; i < count; ++i) buf[i] = static_cast<float>(src[i]);
+    for (; i < count; ++i) buf[i] = as_float(src[i]);
     return buf.data();
   }
 }
@@ -564,7 +591,7 @@ void score_heads(const float* q, const T* k, int64_t n, int64_t d, float scale, 
         for (int64_t j = 0; j < d; j += kNative) acc += nload(qh + j) * nload16(kr + j);
         dot = hsum(acc);
       } else {
-        for (int64_t j = 0; j < d; ++j) dot += qh[j] * static_cast<float>(kr[j]);
+        for (int64_t j = 0; j < d; ++j) dot += qh[j] * as_float(kr[j]);
       }
       s[h][i] = dot * scale;
     }
@@ -581,7 +608,7 @@ void value_heads(const float (*w)[kPositions], const T* v, int64_t n, int64_t d,
   for (; c0 < d; ++c0)
     for (int h = 0; h < G; ++h) {
       float acc = 0.0f;
-      for (int64_t r = 0; r < n; ++r) acc += w[h][r] * static_cast<float>(v[r * d + c0]);
+      for (int64_t r = 0; r < n; ++r) acc += w[h][r] * as_float(v[r * d + c0]);
       o[h * os + c0] = acc;
     }
 }
@@ -768,6 +795,15 @@ inline void group_values(const float (*p)[kKeyBlock], int64_t kn, const float* v
 #if defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+inline __m256 load8(const uint16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = half_to_float(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
 
 // r[i] becomes column i of the 8 x 8 matrix whose rows r holds.
 inline void transpose8(__m256 (&r)[8]) {
@@ -803,7 +839,7 @@ void transpose_keys(const T* k, int64_t kn, int64_t d, float* kt) {
     }
 #else
   for (int64_t x = 0; x < kKeyBlock; ++x)
-    for (int64_t j = 0; j < d; ++j) kt[j * kKeyBlock + x] = x < kn ? static_cast<float>(k[x * d + j]) : 0.0f;
+    for (int64_t j = 0; j < d; ++j) kt[j * kKeyBlock + x] = x < kn ? as_float(k[x * d + j]) : 0.0f;
 #endif
 }
 
@@ -890,8 +926,9 @@ void attend_chunk(void* data, size_t t) {
   }
 }
 
-// T: the caches' element type, float (DecodeAttention) or int8 codes with per-channel scales, inputs 9 and
-// 10 [1, KV, 1, D] (DecodeAttentionInt8: a stored row is clip(rint(x / scale), -128, 127), as the runtime's
+// T: the caches' element type, float (DecodeAttention), float16 (DecodeAttentionFloat16, its bits as uint16_t: a
+// stored row is the nearest half, ties to even, as numpy's astype) or int8 codes with per-channel scales, inputs 9
+// and 10 [1, KV, 1, D] (DecodeAttentionInt8: a stored row is clip(rint(x / scale), -128, 127), as the runtime's
 // and ONNX Runtime's quantized caches).
 template <typename T>
 struct AttentionKernel {
@@ -980,6 +1017,9 @@ struct AttentionKernel {
         if constexpr (std::is_same_v<T, int8_t>) {
           *kd = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(kx / k_scale[i]))));
           *vd = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(vx / v_scale[i]))));
+        } else if constexpr (std::is_same_v<T, uint16_t>) {
+          *kd = float_to_half(kx);
+          *vd = float_to_half(vx);
         } else {
           *kd = kx;
           *vd = vx;
@@ -1033,22 +1073,26 @@ struct AttentionKernel {
 template <typename T>
 struct DecodeAttentionOp : Ort::CustomOpBase<DecodeAttentionOp<T>, AttentionKernel<T>> {
   static constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+  // the caches' element type (inputs 3, 4 and outputs 1, 2)
+  static constexpr ONNXTensorElementDataType kCache = kInt8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8
+                                                     : std::is_same_v<T, uint16_t> ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
+                                                                                   : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new AttentionKernel<T>(api, info); }
-  const char* GetName() const { return kInt8 ? "DecodeAttentionInt8" : "DecodeAttention"; }
+  const char* GetName() const {
+    return kInt8 ? "DecodeAttentionInt8" : kCache == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? "DecodeAttentionFloat16" : "DecodeAttention";
+  }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return kInt8 ? 11 : 9; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i == 5 || i == 6) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
-    if ((i == 3 || i == 4) && kInt8) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+    if (i == 3 || i == 4) return kCache;
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i == 1 || i == 2 || i == 7 || i == 8 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 3; }
-  ONNXTensorElementDataType GetOutputType(size_t i) const {
-    return i > 0 && kInt8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-  }
+  ONNXTensorElementDataType GetOutputType(size_t i) const { return i > 0 ? kCache : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -1918,6 +1962,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
   static const ShadowCorrectionOp shadow_correction;
   static const DecodeAttentionOp<float> decode_attention;
   static const DecodeAttentionOp<int8_t> decode_attention_int8;
+  static const DecodeAttentionOp<uint16_t> decode_attention_float16;
   static const SwigluOp swiglu;
   static const NormOp rms_norm;
   static const MatVecOp block_q_matmul;
@@ -1927,6 +1972,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL Regist
     domain.Add(&shadow_correction);
     domain.Add(&decode_attention);
     domain.Add(&decode_attention_int8);
+    domain.Add(&decode_attention_float16);
     domain.Add(&swiglu);
     domain.Add(&rms_norm);
     domain.Add(&block_q_matmul);
