@@ -1773,16 +1773,16 @@ struct W8Kernel {
   Quantizer quant;  // x's codes: x_scale, x_zero_point
   float lo = 0.0f, hi = 0.0f, epsilon;
   int64_t max_splits = w8_splits();  // row ranges of a large matrix
-  // What the weight inputs (w, w_scale and the optional wt and norm) are. When all of them are the graph's constants,
-  // their checks pass once and later calls reuse the facts (a decode step's ops are short: the shape queries of the
-  // C API cost about a microsecond each); otherwise every call checks them.
+  // What the weight inputs (w, w_scale and the optional wt and norm) are. The checks of those that are the graph's
+  // constants pass once and later calls reuse their facts (a decode step's ops are short, and each shape query of the
+  // C API allocates); the others (a weight table the runtime feeds, say) are checked on every call.
   struct Weights {
     int64_t k = 0, n = 0;
     ONNXTensorElementDataType wtype{}, wt_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     size_t scales = 0;
   };
-  bool constant_weights = true;
-  std::atomic<bool> checked{false};
+  std::array<bool, 6> constant{};  // by input index
+  std::atomic<bool> checked{false};  // a call's checks have passed: facts holds them
   Weights facts;
   std::mutex facts_mutex;
 
@@ -1792,7 +1792,7 @@ struct W8Kernel {
       if (i < ki.GetInputCount() && !ki.GetInputName(i).empty()) {
         int is_constant = 0;
         ki.GetTensorConstantInput(i, &is_constant);
-        constant_weights = constant_weights && is_constant != 0;
+        constant[i] = is_constant != 0;
       }
     quant.scale = ki.GetAttribute<float>("x_scale");
     const int64_t zero_point = ki.GetAttribute<int64_t>("x_zero_point");
@@ -1804,8 +1804,8 @@ struct W8Kernel {
     epsilon = attribute_or<float>(ki, "epsilon", 0.0f);  // the optional norm's
   }
 
-  static Weights check_weights(Ort::ConstValue w, Ort::ConstValue w_scale, const OrtValue* wt_value, const OrtValue* norm_value) {
-    Weights f;
+  // w's and w_scale's facts into f.
+  static void check_matrix(Ort::ConstValue w, Ort::ConstValue w_scale, Weights& f) {
     const Ort::TensorTypeAndShapeInfo wi = w.GetTensorTypeAndShapeInfo();
     const std::vector<int64_t> ws = wi.GetShape();
     f.wtype = wi.GetElementType();
@@ -1818,15 +1818,20 @@ struct W8Kernel {
     f.scales = w_scale.GetTensorTypeAndShapeInfo().GetElementCount();
     if (f.scales != 1 && f.scales != static_cast<size_t>(f.n))
       throw Ort::Exception("W8A8MatMul: w_scale must be [N] (per output column) or [1]", ORT_INVALID_ARGUMENT);
-    if (wt_value != nullptr) {
-      const Ort::TensorTypeAndShapeInfo ti = Ort::ConstValue{wt_value}.GetTensorTypeAndShapeInfo();
-      f.wt_type = ti.GetElementType();
-      if (ti.GetShape() != ws || (f.wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && f.wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16))
-        throw Ort::Exception("W8A8MatMul: wt (the outliers' weight table) must be float32 or float16 [K, N], as w", ORT_INVALID_ARGUMENT);
-    }
-    if (norm_value != nullptr && Ort::ConstValue{norm_value}.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(f.k))
+  }
+
+  // wt's element type into f, after check_matrix.
+  static void check_table(const OrtValue* wt_value, Weights& f) {
+    const Ort::TensorTypeAndShapeInfo ti = Ort::ConstValue{wt_value}.GetTensorTypeAndShapeInfo();
+    f.wt_type = ti.GetElementType();
+    if (ti.GetShape() != std::vector<int64_t>{f.k, f.n} ||
+        (f.wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && f.wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16))
+      throw Ort::Exception("W8A8MatMul: wt (the outliers' weight table) must be float32 or float16 [K, N], as w", ORT_INVALID_ARGUMENT);
+  }
+
+  static void check_norm(const OrtValue* norm_value, const Weights& f) {
+    if (Ort::ConstValue{norm_value}.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(f.k))
       throw Ort::Exception("W8A8MatMul: norm (the RMS norm's weight) must be [K], x's width", ORT_INVALID_ARGUMENT);
-    return f;
   }
 
   void Compute(OrtKernelContext* context) {
@@ -1836,12 +1841,14 @@ struct W8Kernel {
     const OrtValue *wt_value = optional(3), *residual_value = optional(4), *norm_value = optional(5);
     std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
     Weights f;
-    if (checked.load(std::memory_order_acquire)) {
-      f = facts;
-    } else {
-      f = check_weights(w, w_scale, wt_value, norm_value);
-      if (constant_weights) {
-        std::lock_guard<std::mutex> lock(facts_mutex);
+    const bool known = checked.load(std::memory_order_acquire);
+    if (known) f = facts;  // the constant inputs' facts; the others are checked again below
+    if (!known || !constant[1] || !constant[2]) check_matrix(w, w_scale, f);
+    if (wt_value != nullptr && (!known || !constant[3] || !constant[1] || !constant[2])) check_table(wt_value, f);
+    if (norm_value != nullptr && (!known || !constant[5] || !constant[1] || !constant[2])) check_norm(norm_value, f);
+    if (!known) {  // the first call's facts, written once (calls on other threads read them without the lock)
+      std::lock_guard<std::mutex> lock(facts_mutex);
+      if (!checked.load(std::memory_order_relaxed)) {
         facts = f;
         checked.store(true, std::memory_order_release);
       }
