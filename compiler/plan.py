@@ -164,7 +164,7 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
                memory_budget: str | None = None, prefetch_depth: int = 2, pipeline: str | None = None,
                shadow: bool = True, shadow_keep: float = 1.0, weight_format: str = "float32", kv_cache: str = "float32",
                weight_bits: int = 8) -> PlanResult:
-    from llmc.compile import check_kv_cache_format, with_float16_kv_cache, with_kv_cache
+    from llmc.compile import check_float16_kv_cache, check_kv_cache_format, with_float16_kv_cache, with_kv_cache
     from llmc.errors import CompileError
     from llmc.passes import DEFAULT_PIPELINES
     from llmc.passes.quantize_int4 import check_weight_format
@@ -188,14 +188,15 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
         raise CompileError(f"--weight-bits {weight_bits} applies to --target npu (its W8A8 weights), not {target}")
     if kv_cache == "int8":
         pipeline = ",".join(with_kv_cache((pipeline or DEFAULT_PIPELINES[f"plan-{target}"]).split(","), assume=True))
-    elif kv_cache == "float16":
+    elif kv_cache == "float16":  # as compile --kv-cache float16 --cpu-kernels native: the decode graph's native attention
+        check_float16_kv_cache("native", memory_budget)
         pipeline = ",".join(with_float16_kv_cache((pipeline or DEFAULT_PIPELINES[f"plan-{target}"]).split(",")))
     max_context = max_context or chunk * math.ceil(prompt_len / chunk)
     if prompt_len > max_context:
         raise CompileError(f"--prompt-len {prompt_len} exceeds --max-context {max_context}")
     options = CompileOptions(target=target, chunk=chunk, max_context=max_context, profile=profile, prompt_len=prompt_len,
                              memory_budget=memory_budget, prefetch_depth=prefetch_depth, shadow=shadow, shadow_keep=shadow_keep,
-                             weight_bits=weight_bits)
+                             weight_bits=weight_bits, cpu_kernels="native" if kv_cache == "float16" else "onnx")
     graph, ctx, description, pipeline_text = planned_program(source, options, pipeline)
     plan = ctx.get(ChunkPlan)
     used: set[str] = set()

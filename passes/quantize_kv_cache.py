@@ -56,6 +56,10 @@ class QuantizeKVCache(Pass):
     produces = (KVCachePlan,)
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        half = [n.name for n in graph.find("Attention") if n.attrs.get("kv_dtype") == "float16"]
+        if half:
+            raise CompileError(f"{half[0]} already has a float16 KV cache (float16_kv_cache): a layer's cache has one type",
+                               hint="choose one of --kv-cache int8 and --kv-cache float16")
         stats = ctx.get(CalibrationStats)
         store = graph.weights
         layers = {}

@@ -107,5 +107,22 @@ def test_cli_compiles_inspects_benches_and_plans_a_float16_cache(model_dirs, tmp
     for fmt in ("float32", "float16"):
         r = CliRunner().invoke(cli, ["plan", str(model_dirs("qwen2")), "--prompt-len", "48", "--kv-cache", fmt, "--json"])
         assert r.exit_code == 0, r.output
-        plans[fmt] = json.loads(r.output)["memory"]["kv_cache_bytes"]
-    assert plans["float16"] * 2 == plans["float32"] > 0
+        plans[fmt] = json.loads(r.output)
+    assert plans["float16"]["memory"]["kv_cache_bytes"] * 2 == plans["float32"]["memory"]["kv_cache_bytes"] > 0
+    # planned as the compile it stands for (--cpu-kernels native): one decode graph a token, with half the cache's bytes
+    assert "fuse_decode_graph" in plans["float16"]["pipeline"]
+    assert plans["float16"]["decode"]["tok_s"] >= plans["float32"]["decode"]["tok_s"]
+    r = CliRunner().invoke(cli, ["plan", str(model_dirs("qwen2")), "--prompt-len", "48", "--kv-cache", "float16", "--memory-budget", "50%"])
+    assert r.exit_code == 2 and "does not combine with --memory-budget" in r.output, r.output
+
+
+def test_a_layer_cache_has_one_type(model_dirs):
+    """quantize_kv_cache after float16_kv_cache (a hand-written --pipeline) is refused by name, as the other order is."""
+    from llmc.errors import CompileError
+
+    from test_quantization import _ctx, _run
+
+    g, ctx = _ctx(model_dirs("llama"))
+    _run(g, ctx, "float16_kv_cache,calibrate")
+    with pytest.raises(CompileError, match="already has a float16 KV cache"):
+        _run(g, ctx, "quantize_kv_cache")
