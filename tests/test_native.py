@@ -590,6 +590,29 @@ def test_chunk_attention_against_numpy(native_kernels, d, window, cache):
 def test_float16_cache_rows_round_as_numpy(native_kernels):
     """DecodeAttentionFloat16 stores a new K/V row's floats as numpy's astype(float16) does: ties to even, subnormal
     halves, overflow past 65504 to infinity (65519 down to 65504, 65520 up), signed zeros and NaN."""
+    _check_float16_rounding(native_kernels)
+
+
+def test_float16_cache_rows_round_as_numpy_without_f16c(tmp_path, monkeypatch):
+    """The same with the library built for a CPU without F16C (-mno-f16c): its own conversion, in C, rounds as
+    numpy does too."""
+    from llmc.runtime import native
+    from llmc.runtime.errors import NativeKernelError
+
+    cxx = tmp_path / "cxx-no-f16c"
+    cxx.write_text('#!/bin/sh\nexec g++ "$@" -mno-f16c\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("LLMC_CACHE_DIR", str(tmp_path / "cache"))
+    try:
+        library = native.build(cxx=str(cxx))
+    except NativeKernelError as e:  # as the native_kernels fixture: no headers, no test (CI requires them)
+        if os.environ.get("LLMC_REQUIRE_NATIVE_KERNELS") == "1":
+            raise
+        pytest.skip(f"llmc's native kernels cannot be built here: {e}")
+    _check_float16_rounding(library)
+
+
+def _check_float16_rounding(library) -> None:
     from onnx import TensorProto, helper
 
     kv, d, cap = 1, 64, 4
@@ -604,7 +627,7 @@ def test_float16_cache_rows_round_as_numpy(native_kernels):
                                         vi("pk", TensorProto.FLOAT16, [1, kv, cap, d]), vi("pv", TensorProto.FLOAT16, [1, kv, cap, d]),
                                         vi("seqlens", TensorProto.INT32, [1]), vi("total", TensorProto.INT32, [])],
                           [vi("o", TensorProto.FLOAT, None), vi("ck", TensorProto.FLOAT16, None), vi("cv", TensorProto.FLOAT16, None)])
-    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), library)
     zeros = np.zeros((1, kv, cap, d), np.float16)
     _, ck, cv = sess.run(None, {"q": np.zeros((1, 1, d), np.float32), "k": k.reshape(1, 1, d), "v": -k.reshape(1, 1, d), "pk": zeros,
                                 "pv": zeros, "seqlens": np.array([0], np.int32), "total": np.array(1, np.int32)})
