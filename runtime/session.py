@@ -274,8 +274,12 @@ class Session:
         if self._kv_scales:
             check_int8_cache_support(ort, self.bundle)
         # the layers whose cache holds float16 (float16_kv_cache)
-        self._kv_half = {s["attrs"]["layer"] for s in self.program
-                         if s["kind"] == "op" and s["op"] == "Attention" and s["attrs"].get("kv_dtype") == "float16"}
+        kinds = {s["attrs"]["layer"]: s["attrs"].get("kv_dtype", "float32") for s in self.program if s["kind"] == "op" and s["op"] == "Attention"}
+        unknown = sorted({k for k in kinds.values() if k not in ("float32", "float16")})
+        if unknown:
+            raise BundleError(f"{self.bundle}: its attention caches are {unknown[0]}, which this runtime does not know (float32, float16 or int8)",
+                              hint="the bundle was made by a newer llmc; upgrade the runtime")
+        self._kv_half = {layer for layer, k in kinds.items() if k == "float16"}
         if not lazy:
             self.warmup()
 

@@ -103,6 +103,18 @@ def test_cli_compiles_inspects_benches_and_plans_a_float16_cache(model_dirs, tmp
     r = CliRunner().invoke(cli, ["bench", str(out), "--prompt-len", "12", "--new-tokens", "3", "--repeat", "1", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["kv_cache"] == "float16" and json.loads(r.output)["kv_cache_bytes"] == kv["bytes_per_position"] * MAX_CONTEXT
+    # a cache type from a newer llmc (its manifest signed as that llmc would) is refused by name (exit 5), not bound to
+    # graphs of another type
+    from llmc.runtime.manifest import manifest_digest
+
+    m = json.loads((out / "manifest.json").read_text())
+    for s in m["program"]:
+        if s.get("op") == "Attention":
+            s["attrs"]["kv_dtype"] = "bfloat16"
+    m["manifest_sha256"] = manifest_digest(m)
+    (out / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(cli, ["run", str(out), "--prompt-ids", "5,6,7", "--max-new-tokens", "2", "--provider", "cpu"])
+    assert r.exit_code == 5 and "bfloat16, which this runtime does not know" in r.output, r.output
     plans = {}
     for fmt in ("float32", "float16"):
         r = CliRunner().invoke(cli, ["plan", str(model_dirs("qwen2")), "--prompt-len", "48", "--kv-cache", fmt, "--json"])
