@@ -515,9 +515,11 @@ def chat(bundle, system, max_new_tokens, mode, temperature, top_k, top_p, seed, 
 
 def _kv_cache_summary(m: dict) -> dict:
     """The KV cache a session of bundle manifest ``m`` allocates: element type and bytes."""
+    from llmc.ops import KV_CACHE_ITEMSIZE, kv_cache_dtype
+
     attn = [s for s in m["program"] if s["kind"] == "op" and s["op"] == "Attention"]
-    kinds = ["int8" if "k_scale" in s.get("weights", {}) else s["attrs"].get("kv_dtype", "float32") for s in attn]
-    per_pos = sum(2 * s["attrs"]["num_kv_heads"] * s["attrs"]["head_dim"] * {"int8": 1, "float16": 2}.get(k, 4) for s, k in zip(attn, kinds))
+    kinds = [kv_cache_dtype(s["attrs"], s.get("weights", {})) for s in attn]
+    per_pos = sum(2 * s["attrs"]["num_kv_heads"] * s["attrs"]["head_dim"] * KV_CACHE_ITEMSIZE.get(k, 4) for s, k in zip(attn, kinds))
     dtype = kinds[0] if kinds and len(set(kinds)) == 1 else "float32" if not kinds else "mixed"
     return {"dtype": dtype, "bytes_per_position": per_pos, "bytes": per_pos * m["max_context"]}
 

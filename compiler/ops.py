@@ -209,10 +209,19 @@ def _attention(node: "Node"):
     return [((q.shape[0], h * d), "float32")]
 
 
+KV_CACHE_ITEMSIZE = {"float32": 4, "float16": 2, "int8": 1}  # bytes per cached K or V element
+
+
+def kv_cache_dtype(attrs: "dict", weights: "dict") -> str:
+    """The element type of an ``Attention``'s cache, from a node's (or a bundle's program step's) attributes and
+    weights: ``int8`` with ``k_scale``/``v_scale`` (``quantize_kv_cache``), else its ``kv_dtype`` (``float16`` from
+    ``float16_kv_cache``), else ``float32``."""
+    return "int8" if "k_scale" in weights else attrs.get("kv_dtype", "float32")
+
+
 def kv_cache_itemsize(attention: "Node") -> int:
-    """Bytes per cached K or V element of an ``Attention`` node: 1 with ``k_scale``/``v_scale``
-    (an int8 cache, ``quantize_kv_cache``), 2 with ``kv_dtype`` float16 (``float16_kv_cache``), else 4 (float32)."""
-    return 1 if "k_scale" in attention.weights else 2 if attention.attrs.get("kv_dtype") == "float16" else 4
+    """Bytes per cached K or V element of an ``Attention`` node (:data:`KV_CACHE_ITEMSIZE` of :func:`kv_cache_dtype`)."""
+    return KV_CACHE_ITEMSIZE[kv_cache_dtype(attention.attrs, attention.weights)]
 
 
 def sliced_whole(shadow: "Node") -> "Value | None":

@@ -1843,9 +1843,10 @@ struct W8Kernel {
     Weights f;
     const bool known = checked.load(std::memory_order_acquire);
     if (known) f = facts;  // the constant inputs' facts; the others are checked again below
-    if (!known || !constant[1] || !constant[2]) check_matrix(w, w_scale, f);
-    if (wt_value != nullptr && (!known || !constant[3] || !constant[1] || !constant[2])) check_table(wt_value, f);
-    if (norm_value != nullptr && (!known || !constant[5] || !constant[1] || !constant[2])) check_norm(norm_value, f);
+    const bool matrix = known && constant[1] && constant[2];  // wt's and norm's checks compare with w's shape
+    if (!matrix) check_matrix(w, w_scale, f);
+    if (wt_value != nullptr && !(matrix && constant[3])) check_table(wt_value, f);
+    if (norm_value != nullptr && !(matrix && constant[5])) check_norm(norm_value, f);
     if (!known) {  // the first call's facts, written once (calls on other threads read them without the lock)
       std::lock_guard<std::mutex> lock(facts_mutex);
       if (!checked.load(std::memory_order_relaxed)) {
