@@ -73,9 +73,10 @@ def cli(verbose: int) -> None:
 @click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True,
               help="[cpu] Weight format: float32, or int4 (weight-only, blocks of 32 weights with a scale and an offset, llama.cpp's Q4_1 grid, "
                    "the LM head at 8 bits; float activations; not with --memory-budget).")
-@click.option("--kv-cache", type=click.Choice(["float32", "int8", "float16"]), default="float32", show_default=True,
+@click.option("--kv-cache", type=click.Choice(["auto", "float32", "int8", "float16"]), default="auto", show_default=True,
               help="KV cache format: float32, float16 (half the bytes, no calibration; needs --cpu-kernels native), or int8 with per-channel scales from calibration (adds the calibrate pass; "
-                   "a quarter of the cache's bytes; docs/quantization.md).")
+                   "a quarter of the cache's bytes; docs/quantization.md). auto: float16 for --target npu --cpu-kernels native "
+                   "(without --pipeline or --memory-budget), else float32.")
 @click.option("--mlir-dialect", type=click.Choice(["tosa", "linalg"]), default="tosa", show_default=True, help="[mlir] Dialect of the emitted modules.")
 @click.option("--repro-dir", type=click.Path(file_okay=False), default=None, help="[mlir] Where lowering reproducers go (default: llmc-repro/ next to -o).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C (rows of the shared static graphs).")

@@ -103,13 +103,25 @@ def default_pipeline(target: str) -> str:
 
 
 KV_CACHE_FORMATS = ("float32", "int8", "float16")
+KV_CACHE_CHOICES = ("auto", *KV_CACHE_FORMATS)
 PLAN_ONLY = ("assume_shadow_plan", "assume_kv_cache")  # placeholder analyses for planning from a config: never in a bundle
 _BEFORE_CALIBRATION = ("dce", "select_logit_rows", "calibrate")  # passes that may run before calibrate (it needs float Linears)
 
 
 def check_kv_cache_format(fmt: str) -> None:
-    if fmt not in KV_CACHE_FORMATS:
-        raise CompileError(f"unknown KV cache format {fmt!r}", hint="choose one of: " + ", ".join(KV_CACHE_FORMATS))
+    if fmt not in KV_CACHE_CHOICES:
+        raise CompileError(f"unknown KV cache format {fmt!r}", hint="choose one of: " + ", ".join(KV_CACHE_CHOICES))
+
+
+def resolve_kv_cache(fmt: str, target: str, cpu_kernels: str, pipeline: str | None, memory_budget: str | None) -> str:
+    """The KV cache format ``fmt`` stands for: itself, or for ``auto`` float16 where llmc's native attention reads the
+    cache of a model that is quantized already (``--target npu --cpu-kernels native``, the default pipeline, no
+    --memory-budget: half the cache's bytes and faster decode, perplexity within its noise, docs/quantization.md), else
+    float32 (the float32 path stays exact to HF eager; a --pipeline runs the passes it names)."""
+    if fmt != "auto":
+        return fmt
+    native_npu = target == "npu" and cpu_kernels == "native" and pipeline is None and memory_budget is None
+    return "float16" if native_npu else "float32"
 
 
 def with_smoothing(names: list[str]) -> list[str]:
@@ -188,7 +200,7 @@ def compile_model(
     qnn_shard_bytes: int | None = None,
     qnn_shard_graphs: int | None = None,
     weight_format: str = "float32",
-    kv_cache: str = "float32",
+    kv_cache: str = "auto",
     cpu_kernels: str = "onnx",
     explicit: Iterable[str] = (),
     **quant_options: Any,
@@ -201,7 +213,8 @@ def compile_model(
     (calib_file, calib_tokens, cache_dir, shadow, clip_percentile, shadow_keep,
     pruned_percentile, hot_budget, weight_granularity, weight_bits); they matter for ``target="npu"``.
     ``weight_format="int4"`` (``target="cpu"`` only) runs the ``cpu-int4`` pipeline: weight-only
-    int4 Linears (``quantize_int4``). ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
+    int4 Linears (``quantize_int4``). ``kv_cache="auto"`` is float16 for npu bundles with native kernels, else
+    float32 (:func:`resolve_kv_cache`); ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
     ``calibrate`` where the pipeline has none, see :func:`with_kv_cache`): an int8 KV cache; ``kv_cache="float16"``
     adds ``float16_kv_cache`` (first, :func:`with_float16_kv_cache`) and needs ``cpu_kernels="native"``.
     ``cpu_kernels="native"`` writes the shadow corrections (over float16 weight tables), the decode graph's
@@ -244,6 +257,7 @@ def compile_model(
             qnn_skip = qnn_available()
     default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
     check_kv_cache_format(kv_cache)
+    kv_cache = resolve_kv_cache(kv_cache, target, cpu_kernels, pipeline, quant_options.get("memory_budget"))
     from llmc.passes.quantize import check_weight_bits
 
     check_weight_bits(quant_options.get("weight_bits", 8))

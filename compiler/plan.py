@@ -164,7 +164,7 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
                memory_budget: str | None = None, prefetch_depth: int = 2, pipeline: str | None = None,
                shadow: bool = True, shadow_keep: float = 1.0, weight_format: str = "float32", kv_cache: str = "float32",
                weight_bits: int = 8) -> PlanResult:
-    from llmc.compile import check_float16_kv_cache, check_kv_cache_format, with_float16_kv_cache, with_kv_cache
+    from llmc.compile import check_float16_kv_cache, check_kv_cache_format, resolve_kv_cache, with_float16_kv_cache, with_kv_cache
     from llmc.errors import CompileError
     from llmc.passes import DEFAULT_PIPELINES
     from llmc.passes.quantize_int4 import check_weight_format
@@ -181,6 +181,7 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
         pipeline = DEFAULT_PIPELINES["plan-cpu-int4"]
     check_weight_format(weight_format, target, (pipeline or DEFAULT_PIPELINES[f"plan-{target}"]).split(","))
     check_kv_cache_format(kv_cache)
+    kv_cache = resolve_kv_cache(kv_cache, target, "onnx", pipeline, memory_budget)  # plan models stock kernels (float16: native), so auto is float32
     from llmc.passes.quantize import check_weight_bits
 
     check_weight_bits(weight_bits)

@@ -138,3 +138,46 @@ def test_a_layer_cache_has_one_type(model_dirs):
     _run(g, ctx, "float16_kv_cache,calibrate")
     with pytest.raises(CompileError, match="already has a float16 KV cache"):
         _run(g, ctx, "quantize_kv_cache")
+
+
+def test_auto_cache_is_float16_for_native_npu_bundles_only():
+    """--kv-cache auto (the default) stands for float16 where llmc's native attention reads an already quantized model's
+    cache (npu, native kernels, the default pipeline, no memory budget), else float32."""
+    from llmc.compile import resolve_kv_cache
+
+    assert resolve_kv_cache("auto", "npu", "native", None, None) == "float16"
+    assert resolve_kv_cache("auto", "npu", "onnx", None, None) == "float32"
+    assert resolve_kv_cache("auto", "cpu", "native", None, None) == "float32"  # the float32 path stays exact to HF eager
+    assert resolve_kv_cache("auto", "npu", "native", "calibrate,quantize", None) == "float32"  # a --pipeline runs what it names
+    assert resolve_kv_cache("auto", "npu", "native", None, "50%") == "float32"  # float16 would be refused
+    for fmt in ("float32", "int8", "float16"):
+        assert resolve_kv_cache(fmt, "npu", "native", None, None) == fmt
+
+
+def test_default_native_npu_bundle_has_a_float16_cache(model_dirs, calib_words, tmp_path, native_kernels):
+    """`llmc compile --target npu --cpu-kernels native` without --kv-cache writes a float16 cache (float16_kv_cache
+    first in the pipeline, DecodeAttentionFloat16 in the decode graph) that decodes; --kv-cache float32 keeps the
+    float32 one, and so does a memory-budgeted compile."""
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+    from llmc.runtime import Session
+
+    from test_native import _ops
+
+    base = ["compile", str(model_dirs("llama")), "--target", "npu", "--cpu-kernels", "native", "--chunk", str(CHUNK),
+            "--max-context", str(MAX_CONTEXT), "--calib", str(calib_words), "--calib-tokens", "256", "--quiet"]
+    for extra, fmt in (([], "float16"), (["--kv-cache", "float32"], "float32"), (["--memory-budget", "90%"], "float32")):
+        out = tmp_path / fmt / str(len(extra))
+        r = CliRunner().invoke(cli, [*base, *extra, "-o", str(out)])
+        assert r.exit_code == 0, r.output
+        m = json.loads((out / "manifest.json").read_text())
+        assert m["pipeline"].startswith("float16_kv_cache,") == (fmt == "float16"), (extra, m["pipeline"])
+        if "--memory-budget" in extra:
+            continue
+        ops = _ops(out)[f"{m['decode_graph']}.r1"]
+        assert ("DecodeAttentionFloat16" in ops) == (fmt == "float16") and ("DecodeAttention" in ops) == (fmt == "float32")
+        s = Session(out, "cpu")
+        s.prefill(_ids(CHUNK + 3))
+        assert np.isfinite(s.decode(5)).all()
+        assert {a.dtype for a in [*s.cache.k.values(), *s.cache.v.values()]} == {np.dtype(fmt)}

@@ -109,7 +109,8 @@ def test_shadow_correction_rejects_mismatched_shapes(native_kernels):
 
 @pytest.fixture(scope="module")
 def npu_pair(model_dirs, calib_words, tmp_path_factory, native_kernels):
-    """The tiny Llama compiled for npu twice: the corrections as stock ops, and as the native op."""
+    """The tiny Llama compiled for npu twice: the corrections as stock ops, and as the native op (both over a float32
+    cache, which native npu bundles otherwise replace with a float16 one)."""
     from llmc.compile import compile_model
 
     root = tmp_path_factory.mktemp("native")
@@ -117,7 +118,7 @@ def npu_pair(model_dirs, calib_words, tmp_path_factory, native_kernels):
     for kernels in ("onnx", "native"):
         out[kernels] = root / kernels
         compile_model(str(model_dirs("llama")), out[kernels], target="npu", chunk=CHUNK, max_context=MAX_CONTEXT,
-                      calib_file=str(calib_words), calib_tokens=256, cpu_kernels=kernels)
+                      calib_file=str(calib_words), calib_tokens=256, cpu_kernels=kernels, kv_cache="float32")
     return out
 
 
