@@ -263,7 +263,9 @@ class _Builder:
             self.add("LayerNormalization", ins, y, n.name, axis=-1, epsilon=float(a["eps"]))
         elif n.op == "Act" and self.into_swiglu(n):
             pass  # the Mul after it is llmc's SwiGLU (see swiglu)
-        elif n.op == "Mul" and (fused := self.swiglu(n)) is not None:
+        elif n.op == "Mul" and (fused := self.swiglu(n)) is not None and self.gated_in_projection(n):
+            pass  # the W8A8MatMul that reads its result computes it (see swiglu_inside)
+        elif n.op == "Mul" and fused is not None:
             _, whole, gate, up, width = fused
             quant = self.quantized_by(n.outputs[0])
             codes = {} if quant is None else {"scale": quant[0], "zero_point": quant[1]}
@@ -365,6 +367,24 @@ class _Builder:
         return all(u.name in self.members and i == 0 and (self.block_q_matmul(u) or self.w8a8_matmul(u)
                    or (u.op == "ShadowOutliers" and (q := self.fused_projection(u)) is not None and q.inputs[0] is v)) for u, i in v.uses)
 
+    def gated_in_projection(self, mul: Node) -> bool:
+        """Whether the :meth:`swiglu` ``mul`` of a one-row graph with llmc's native ops is computed by the
+        ``W8A8MatMul`` that reads its result (its gate and up attributes): that projection, with the correction it
+        does too, is its only reader, in this graph, and the result is no graph output."""
+        v = mul.outputs[0]
+        if self.rows != 1 or v.name in self.sub.outputs or not v.uses or self.quantized_by(v) is not None:
+            return False
+        return all(u.name in self.members and i == 0 and (self.w8a8_matmul(u)
+                   or (u.op == "ShadowOutliers" and (q := self.fused_projection(u)) is not None and q.inputs[0] is v)) for u, i in v.uses)
+
+    def swiglu_inside(self, v: Value) -> tuple[str, int, int] | None:
+        """When ``v`` is a SwiGLU's result that the native projection reading it computes itself
+        (:meth:`gated_in_projection`): the gate/up value, gate's first column and up's, which it takes instead of v."""
+        mul = v.producer
+        if mul is None or mul.op != "Mul" or mul.name not in self.members or (fused := self.swiglu(mul)) is None or not self.gated_in_projection(mul):
+            return None
+        return fused[1], fused[2], fused[3]
+
     def w8a8_matmul(self, n: Node) -> bool:
         """Whether the QLinear ``n`` lowers to llmc's native ``W8A8MatMul`` (one-row graphs with native ops, int8
         weights, or uint8 with zero point 128, and no bias): its QuantizeLinear and QDQ MatMul as one op, which its
@@ -400,7 +420,8 @@ class _Builder:
     def native_projection(self, q: Node, shadow: Node | None, out: str, residual: str | None = None) -> None:
         """``out = residual + (W8A8 q(x) + shadow's correction)`` as llmc's native ``W8A8MatMul`` (one op for
         QuantizeLinear, the QDQ MatMul, ShadowCorrection and the residual Add), the RMS norm before it inside too
-        where only such ops read it (:meth:`normed_in_projections`)."""
+        where only such ops read it (:meth:`normed_in_projections`), or the SwiGLU before it where it is the only
+        reader (:meth:`gated_in_projection`)."""
         a = q.attrs
         ins = [q.inputs[0].name, self.weight(q.weights["qweight"]), self.weight(q.weights["wscale"])]
         if q.weights["wscale"].shape == (1,):  # a per-tensor scale: a scalar, as in the instances with stock ops
@@ -414,6 +435,8 @@ class _Builder:
         if (inside := self.norm_inside(q.inputs[0])) is not None:
             ins[0], weight, attrs["epsilon"] = inside
             ins += [""] * (5 - len(ins)) + [weight]
+        elif (gated := self.swiglu_inside(q.inputs[0])) is not None:
+            ins[0], attrs["gate"], attrs["up"] = gated
         self.add("W8A8MatMul", ins, [out], q.name, domain=NATIVE_DOMAIN, **attrs)
 
     def norm_inside(self, v: Value) -> tuple[str, str, float] | None:

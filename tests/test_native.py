@@ -162,19 +162,21 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
     npu_graphs = [g for g, e in m["graphs"].items() if e["placement"] == "npu"]
     assert npu_graphs and not any(op.startswith(("ShadowCorrection", "DecodeAttention", "SwiGLU"))
                                   for g, ops in native_ops.items() if g.rsplit(".r", 1)[0] in npu_graphs for op in ops)
-    # the MLP's activation: SwiGLU straight from the corrected gate/up projection, no Slice of it nor Sigmoid
-    decode = f"{m['decode_graph']}.r1"
-    assert "SwiGLU" in native_ops[decode] and not {"Sigmoid", "Slice"} & native_ops[decode]
+    # the MLP's activation straight from the corrected gate/up projection, no Slice of it nor Sigmoid: in a chunk llmc's
+    # SwiGLU, at one row inside the down projection's W8A8MatMul (its gate and up attributes)
+    decode, chunk = f"{m['decode_graph']}.r1", f"{m['decode_graph']}.r{CHUNK}"
+    assert "SwiGLU" in native_ops[chunk] and not {"Sigmoid", "Slice"} & native_ops[decode]
     assert "Sigmoid" in stock_ops[decode] and "SwiGLU" not in stock_ops[decode]
     assert not any("ShadowCorrection" in ops for ops in stock_ops.values())
     # in the decode graph each projection is one W8A8MatMul: its quantization, correction, the norm before it and the
     # residual Add after it inside; a chunk's norms (llmc's RMSNorm) write the codes their projections read
     layers = sum(1 for n in _nodes(npu_pair["onnx"], decode) if n.op_type == "GroupQueryAttention")
     counts = {op: sum(1 for n in _nodes(npu_pair["native"], decode) if n.op_type == op)
-              for op in ("W8A8MatMul", "QuantizeLinear", "Add", "RMSNorm", "RMSNormalization")}
-    assert layers and counts == {"W8A8MatMul": 4 * layers + 1, "QuantizeLinear": 0, "Add": 0, "RMSNorm": 0, "RMSNormalization": 0}, counts
-    assert sum(len(n.input) == 6 for n in _nodes(npu_pair["native"], decode) if n.op_type == "W8A8MatMul") == 2 * layers + 1  # norms
-    chunk = f"{m['decode_graph']}.r{CHUNK}"
+              for op in ("W8A8MatMul", "QuantizeLinear", "Add", "RMSNorm", "RMSNormalization", "SwiGLU")}
+    assert layers and counts == {"W8A8MatMul": 4 * layers + 1, "QuantizeLinear": 0, "Add": 0, "RMSNorm": 0, "RMSNormalization": 0, "SwiGLU": 0}, counts
+    w8 = [n for n in _nodes(npu_pair["native"], decode) if n.op_type == "W8A8MatMul"]
+    assert sum(len(n.input) == 6 for n in w8) == 2 * layers + 1  # norms
+    assert sum({"gate", "up"} <= {a.name for a in n.attribute} for n in w8) == layers  # the down projections
     assert "RMSNorm" in native_ops[chunk] and "RMSNormalization" in stock_ops[decode] and "W8A8MatMul" not in native_ops[chunk]
 
     # the native bundle's weight tables are float16: the stock bundle's, rounded so in a copy, is the reference
@@ -1122,3 +1124,36 @@ def test_compile_warns_when_the_kernels_are_not_built(model_dirs, tmp_path, monk
         compile_model(str(model_dirs("llama")), tmp_path / "b", target="cpu", chunk=CHUNK, max_context=MAX_CONTEXT, cpu_kernels="native")
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["cpu_kernels"] == "native"
     assert any("kernels are not built" in r.getMessage() and "llmc kernels build" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_w8a8_matmul_reads_the_swiglu_of_its_input(native_kernels, rows):
+    """With SwiGLU's gate and up attributes, W8A8MatMul reads silu(x[..., gate:gate+K]) * x[..., up:up+K] of its input
+    [..., W] (the down projection straight from the gate/up projection): bit for bit what SwiGLU and then W8A8MatMul
+    compute, the outliers (weight table) and the residual those of the activation's result."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(40 + rows)
+    k, n, lo, hi, gate, up = 72, 130, -0.5, 0.5, 5, 80
+    w = _w8_weights(rng, k, n, np.int8, True)
+    wt = rng.standard_normal((k, n)).astype(np.float16)
+    x = rng.normal(0, 2.0, (rows, 160)).astype(np.float32)
+    r = rng.standard_normal((rows, n)).astype(np.float32)
+    attrs = {"x_scale": 0.01, "x_zero_point": 128, "lo": lo, "hi": hi}
+    act = helper.make_node("SwiGLU", ["x"], ["h"], domain="ai.llmc", gate=gate, up=up, width=k)
+    graph = helper.make_graph([act], "a", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 160])],
+                              [helper.make_tensor_value_info("h", TensorProto.FLOAT, None)])
+    h = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]),
+                 native_kernels).run(None, {"x": x})[0]
+    assert ((h < lo) | (h > hi)).any()  # some outliers
+    two_ops = _session(_w8_model(k, n, {**w, "wt": wt}, residual=True, **attrs), native_kernels).run(None, {"x": h, "residual": r})[0]
+    fused = _session(_w8_model(None, n, {**w, "wt": wt}, residual=True, gate=gate, up=up, **attrs), native_kernels)
+    np.testing.assert_array_equal(fused.run(None, {"x": x, "residual": r})[0], two_ops)
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    with pytest.raises((Fail, InvalidArgument, RuntimeException), match="W8A8MatMul: x must be \\[..., W\\] with the gate and up columns"):
+        fused.run(None, {"x": x[:, :150], "residual": r})
+    for bad, match in (({"gate": gate}, "gate and up come together"), ({"gate": gate, "up": up, "epsilon": 1e-5}, "a SwiGLU input .* and a norm")):
+        weights = {**w, "norm": np.ones(k, np.float32)} if "epsilon" in bad else w
+        with pytest.raises((Fail, InvalidArgument, RuntimeException), match=match):
+            _session(_w8_model(None, n, weights, x_scale=0.01, x_zero_point=128, **bad), native_kernels)

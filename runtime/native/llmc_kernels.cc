@@ -1184,21 +1184,25 @@ struct SwigluJob {
   int64_t rows, w, gate, up, width, per;
 };
 
+// y[0, width) = silu(g[j]) * u[j]: one row's SwiGLU (W8A8MatMul's too, where it does the activation before it).
+void swiglu_row(const float* g, const float* u, int64_t width, float* y) {
+  int64_t j = 0;
+  for (; j + kNative <= width; j += kNative) {
+    const NVec gv = nload(g + j);
+    NVec neg = NVec{} - gv;
+    neg = neg > nsplat(87.0f) ? nsplat(87.0f) : neg;
+    nstore(y + j, gv / (1.0f + vexp(neg)) * nload(u + j));
+  }
+  for (; j < width; ++j) y[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+}
+
 void swiglu_rows(void* data, size_t t) {
   const SwigluJob& job = *static_cast<const SwigluJob*>(data);
   const int64_t r0 = static_cast<int64_t>(t) * job.per, r1 = std::min(job.rows, r0 + job.per);
   for (int64_t r = r0; r < r1; ++r) {
-    const float* g = job.x + r * job.w + job.gate;
-    const float* u = job.x + r * job.w + job.up;
+    const float* x = job.x + r * job.w;
     float* y = job.y + r * job.width;
-    int64_t j = 0;
-    for (; j + kNative <= job.width; j += kNative) {
-      const NVec gv = nload(g + j);
-      NVec neg = NVec{} - gv;
-      neg = neg > nsplat(87.0f) ? nsplat(87.0f) : neg;
-      nstore(y + j, gv / (1.0f + vexp(neg)) * nload(u + j));
-    }
-    for (; j < job.width; ++j) y[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+    swiglu_row(x + job.gate, x + job.up, job.width, y);
     if (job.codes != nullptr) quantize_row(y, job.width, job.quant, job.codes + r * job.width);
   }
 }
@@ -1592,9 +1596,13 @@ struct MatVecOp : Ort::CustomOpBase<MatVecOp, MatVecKernel> {
 
 // ---------------------------------------------------------------------------------------------------
 // W8A8MatMul(x[..., K], w[K, N], w_scale[N] or [1], wt[K, N]?, residual[..., N]?, norm[K]?;
-//            x_scale, x_zero_point, lo?, hi?, epsilon?) -> y[..., N]
+//            x_scale, x_zero_point, lo?, hi?, epsilon?, gate?, up?) -> y[..., N]
 //
 //   y = residual + ((q(x) - x_zero_point) @ (w - w_zero_point) * x_scale * w_scale + (x - clip(x, lo, hi)) @ wt)
+//
+// With gate and up (SwiGLU's attributes, width K), x is [..., W], a gated MLP's fused gate/up projection, and the
+// op reads SwiGLU's result silu(x[..., gate : gate + K]) * x[..., up : up + K] in its place (computed as SwiGLU
+// computes it): the down projection without a SwiGLU op before it.
 //
 // A W8A8 projection with shadow outliers as one op, for the rows of a decode step: what the stock graph does with
 // QuantizeLinear, MatMulIntegerToFloat (the QDQ MatMul fused) and ShadowCorrection. q(x) is x's uint8 codes as
@@ -1772,6 +1780,7 @@ void w8_finish_task(void* data, size_t t) {
 struct W8Kernel {
   Quantizer quant;  // x's codes: x_scale, x_zero_point
   float lo = 0.0f, hi = 0.0f, epsilon;
+  int64_t gate = -1, up = -1;  // with both: x holds the gate and up columns of the SwiGLU whose result the op reads
   int64_t max_splits = w8_splits();  // row ranges of a large matrix
   // What the weight inputs (w, w_scale and the optional wt and norm) are. The checks of those that are the graph's
   // constants pass once and later calls reuse their facts (a decode step's ops are short, and each shape query of the
@@ -1802,6 +1811,12 @@ struct W8Kernel {
     lo = attribute_or<float>(ki, "lo", 0.0f);  // the correction's, when it has a weight table
     hi = attribute_or<float>(ki, "hi", 0.0f);
     epsilon = attribute_or<float>(ki, "epsilon", 0.0f);  // the optional norm's
+    gate = attribute_or<int64_t>(ki, "gate", -1);
+    up = attribute_or<int64_t>(ki, "up", -1);
+    if ((gate < 0) != (up < 0))
+      throw Ort::Exception("W8A8MatMul: gate and up come together (SwiGLU's columns of x), or neither", ORT_INVALID_ARGUMENT);
+    if (gate >= 0 && ki.GetInputCount() > 5 && !ki.GetInputName(5).empty())
+      throw Ort::Exception("W8A8MatMul: a SwiGLU input (gate, up) and a norm do not combine", ORT_INVALID_ARGUMENT);
   }
 
   // w's and w_scale's facts into f.
@@ -1854,9 +1869,12 @@ struct W8Kernel {
         checked.store(true, std::memory_order_release);
       }
     }
-    if (shape.empty() || shape.back() != f.k)
+    const bool gated = gate >= 0;
+    if (gated && (shape.empty() || std::max(gate, up) + f.k > shape.back()))
+      throw Ort::Exception("W8A8MatMul: x must be [..., W] with the gate and up columns (K of each) inside W", ORT_INVALID_ARGUMENT);
+    if (!gated && (shape.empty() || shape.back() != f.k))
       throw Ort::Exception("W8A8MatMul: x must be [..., K] and w [K, N] with the same K", ORT_INVALID_ARGUMENT);
-    const int64_t k = f.k, n = f.n, rows = leading_rows(shape);
+    const int64_t k = f.k, n = f.n, rows = leading_rows(shape), width = shape.empty() ? 0 : shape.back();
     const size_t scales = f.scales;
     const ONNXTensorElementDataType wtype = f.wtype, wt_type = f.wt_type;
     shape.back() = n;
@@ -1874,9 +1892,13 @@ struct W8Kernel {
     thread_local std::vector<int32_t> partial;
     thread_local Outliers outliers;
     const float* xs = x.GetTensorData<float>();
-    if (norm_value != nullptr) {
+    if (norm_value != nullptr || gated) {  // the row the op reads: x normalised, or SwiGLU's of x
       grow(normed, rows * k);
-      for (int64_t r = 0; r < rows; ++r) rms_row(xs + r * k, Ort::ConstValue{norm_value}.GetTensorData<float>(), k, epsilon, normed.data() + r * k);
+      for (int64_t r = 0; r < rows; ++r)
+        if (gated)
+          swiglu_row(xs + r * width + gate, xs + r * width + up, k, normed.data() + r * k);
+        else
+          rms_row(xs + r * k, Ort::ConstValue{norm_value}.GetTensorData<float>(), k, epsilon, normed.data() + r * k);
       xs = normed.data();
     }
     grow(codes, k);
