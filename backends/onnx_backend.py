@@ -369,8 +369,8 @@ class _Builder:
 
     def gated_in_projection(self, mul: Node) -> bool:
         """Whether the :meth:`swiglu` ``mul`` of a one-row graph with llmc's native ops is computed by the
-        ``W8A8MatMul`` that reads its result (its gate and up attributes): that projection, with the correction it
-        does too, is its only reader, in this graph, and the result is no graph output."""
+        ``W8A8MatMul`` ops that read its result (their gate and up attributes): every reader of it is one (or the
+        correction a W8A8MatMul does too), in this graph, and the result is no graph output."""
         v = mul.outputs[0]
         if self.rows != 1 or v.name in self.sub.outputs or not v.uses or self.quantized_by(v) is not None:
             return False

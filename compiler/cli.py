@@ -76,7 +76,7 @@ def cli(verbose: int) -> None:
 @click.option("--kv-cache", type=click.Choice(["auto", "float32", "int8", "float16"]), default="auto", show_default=True,
               help="KV cache format: float32, float16 (half the bytes, no calibration; needs --cpu-kernels native), or int8 with per-channel scales from calibration (adds the calibrate pass; "
                    "a quarter of the cache's bytes; docs/quantization.md). auto: float16 for --target npu --cpu-kernels native "
-                   "(without --pipeline or --memory-budget), else float32.")
+                   "(without --pipeline, --memory-budget or --soc, and where llmc's attention op takes every layer), else float32.")
 @click.option("--mlir-dialect", type=click.Choice(["tosa", "linalg"]), default="tosa", show_default=True, help="[mlir] Dialect of the emitted modules.")
 @click.option("--repro-dir", type=click.Path(file_okay=False), default=None, help="[mlir] Where lowering reproducers go (default: llmc-repro/ next to -o).")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C (rows of the shared static graphs).")
@@ -191,7 +191,7 @@ def _peak_rss_mb() -> float:
 @click.option("--prompt-len", type=click.IntRange(1), default=1024, show_default=True, help="Prompt length to predict prefill for.")
 @click.option("--target", type=click.Choice(["npu", "cpu"]), default="npu", show_default=True, help="Program shape to plan: W8A8 with shadow outliers (npu) or float32 (cpu).")
 @click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True, help="[cpu] Plan the int4 weight-only program (as compile --weights int4).")
-@click.option("--kv-cache", type=click.Choice(["float32", "int8", "float16"]), default="float32", show_default=True, help="Plan with an int8 or float16 KV cache (as compile --kv-cache).")
+@click.option("--kv-cache", type=click.Choice(["float32", "int8", "float16"]), default="float32", show_default=True, help="Plan with an int8 or float16 KV cache (as compile --kv-cache; plan's default is float32, the stock kernels' cache).")
 @click.option("--weight-bits", type=click.Choice(["8", "7"]), default="8", show_default=True,
               help="[npu] Plan 7-bit weight codes (as compile --weight-bits 7): CPU matmuls at the profile's cpu.int8_7bit_ops_per_s.")
 @click.option("--chunk", type=click.IntRange(1), default=256, show_default=True, help="Prefill chunk length C.")

@@ -113,14 +113,17 @@ def check_kv_cache_format(fmt: str) -> None:
         raise CompileError(f"unknown KV cache format {fmt!r}", hint="choose one of: " + ", ".join(KV_CACHE_CHOICES))
 
 
-def resolve_kv_cache(fmt: str, target: str, cpu_kernels: str, pipeline: str | None, memory_budget: str | None) -> str:
+def resolve_kv_cache(fmt: str, target: str, cpu_kernels: str, pipeline: str | None, memory_budget: str | None,
+                     soc: str | None = None) -> str:
     """The KV cache format ``fmt`` stands for: itself, or for ``auto`` float16 where llmc's native attention reads the
     cache of a model that is quantized already (``--target npu --cpu-kernels native``, the default pipeline, no
-    --memory-budget: half the cache's bytes and faster decode, perplexity within its noise, docs/quantization.md), else
-    float32 (the float32 path stays exact to HF eager; a --pipeline runs the passes it names)."""
+    --memory-budget and no --soc: half the cache's bytes and faster decode, perplexity within its noise,
+    docs/quantization.md; ``float16_kv_cache`` then still keeps float32 for a model whose attention the native op
+    does not take), else float32 (the float32 path stays exact to HF eager; a --pipeline runs the passes it names; a
+    QNN bundle's prompt attends on the CPU between NPU graphs, where a float32 cache keeps ONNX Runtime's attention)."""
     if fmt != "auto":
         return fmt
-    native_npu = target == "npu" and cpu_kernels == "native" and pipeline is None and memory_budget is None
+    native_npu = target == "npu" and cpu_kernels == "native" and pipeline is None and memory_budget is None and soc is None
     return "float16" if native_npu else "float32"
 
 
@@ -213,8 +216,8 @@ def compile_model(
     (calib_file, calib_tokens, cache_dir, shadow, clip_percentile, shadow_keep,
     pruned_percentile, hot_budget, weight_granularity, weight_bits); they matter for ``target="npu"``.
     ``weight_format="int4"`` (``target="cpu"`` only) runs the ``cpu-int4`` pipeline: weight-only
-    int4 Linears (``quantize_int4``). ``kv_cache="auto"`` is float16 for npu bundles with native kernels, else
-    float32 (:func:`resolve_kv_cache`); ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
+    int4 Linears (``quantize_int4``). ``kv_cache="auto"`` is float16 for npu bundles with native kernels (but
+    with ``soc``), else float32 (:func:`resolve_kv_cache`); ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
     ``calibrate`` where the pipeline has none, see :func:`with_kv_cache`): an int8 KV cache; ``kv_cache="float16"``
     adds ``float16_kv_cache`` (first, :func:`with_float16_kv_cache`) and needs ``cpu_kernels="native"``.
     ``cpu_kernels="native"`` writes the shadow corrections (over float16 weight tables), the decode graph's
@@ -257,7 +260,8 @@ def compile_model(
             qnn_skip = qnn_available()
     default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
     check_kv_cache_format(kv_cache)
-    kv_cache = resolve_kv_cache(kv_cache, target, cpu_kernels, pipeline, quant_options.get("memory_budget"))
+    auto_kv_cache = kv_cache == "auto"
+    kv_cache = resolve_kv_cache(kv_cache, target, cpu_kernels, pipeline, quant_options.get("memory_budget"), soc)
     from llmc.passes.quantize import check_weight_bits
 
     check_weight_bits(quant_options.get("weight_bits", 8))
@@ -298,7 +302,8 @@ def compile_model(
             log.warning("cannot use the cache directory %s (%s); compiling without a cache", cache, e.strerror or e)
             quant_options["cache_dir"] = None
     try:
-        options = CompileOptions(target=target, chunk=chunk, max_context=max_context, cpu_kernels=cpu_kernels, **quant_options)
+        options = CompileOptions(target=target, chunk=chunk, max_context=max_context, cpu_kernels=cpu_kernels,
+                                 kv_cache_auto=auto_kv_cache and kv_cache == "float16", **quant_options)
     except TypeError as e:
         raise CompileError(f"unknown compile option: {e}") from None
     if "quantize_int4" in names:

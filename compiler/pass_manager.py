@@ -57,6 +57,7 @@ class CompileOptions:
     memory_budget: int | None = None  # bytes of weights that may stay resident; None = all
     prefetch_depth: int = 2  # streamed steps read ahead of the one running
     cpu_kernels: str = "onnx"  # "onnx" | "native": the ops of the CPU's graphs (llmc.runtime.native's with --cpu-kernels native)
+    kv_cache_auto: bool = False  # float16_kv_cache runs for --kv-cache auto: it keeps float32 where native attention cannot read halves
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,10 @@ from llmc.runtime.errors import BundleError
 # refuses them instead of failing when ONNX Runtime loads or runs the graph.
 # 5: a --cpu-kernels native one-row graph may run its W8A8 projections as ai.llmc.W8A8MatMul, which a runtime before
 # 5 does not build, so it refuses them.
-SCHEMA_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# 6: a --cpu-kernels native one-row graph's W8A8MatMul may compute the SwiGLU before it (attributes gate and up, x the
+# gate/up projection's result), which the kernel of a runtime before 6 does not, so it refuses them.
+SCHEMA_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 MANIFEST = "manifest.json"
 
 

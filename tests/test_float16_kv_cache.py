@@ -150,6 +150,7 @@ def test_auto_cache_is_float16_for_native_npu_bundles_only():
     assert resolve_kv_cache("auto", "cpu", "native", None, None) == "float32"  # the float32 path stays exact to HF eager
     assert resolve_kv_cache("auto", "npu", "native", "calibrate,quantize", None) == "float32"  # a --pipeline runs what it names
     assert resolve_kv_cache("auto", "npu", "native", None, "50%") == "float32"  # float16 would be refused
+    assert resolve_kv_cache("auto", "npu", "native", None, None, soc="8gen3") == "float32"  # the QNN prompt's CPU attention
     for fmt in ("float32", "int8", "float16"):
         assert resolve_kv_cache(fmt, "npu", "native", None, None) == fmt
 
@@ -157,7 +158,8 @@ def test_auto_cache_is_float16_for_native_npu_bundles_only():
 def test_default_native_npu_bundle_has_a_float16_cache(model_dirs, calib_words, tmp_path, native_kernels):
     """`llmc compile --target npu --cpu-kernels native` without --kv-cache writes a float16 cache (float16_kv_cache
     first in the pipeline, DecodeAttentionFloat16 in the decode graph) that decodes; --kv-cache float32 keeps the
-    float32 one, and so does a memory-budgeted compile."""
+    float32 one, and so do a memory-budgeted compile and a model whose attention the native op does not take at every
+    row count (phi's partial rotary)."""
     from click.testing import CliRunner
 
     from llmc.cli import cli
@@ -165,14 +167,16 @@ def test_default_native_npu_bundle_has_a_float16_cache(model_dirs, calib_words, 
 
     from test_native import _ops
 
-    base = ["compile", str(model_dirs("llama")), "--target", "npu", "--cpu-kernels", "native", "--chunk", str(CHUNK),
+    base = ["--target", "npu", "--cpu-kernels", "native", "--chunk", str(CHUNK),
             "--max-context", str(MAX_CONTEXT), "--calib", str(calib_words), "--calib-tokens", "256", "--quiet"]
-    for extra, fmt in (([], "float16"), (["--kv-cache", "float32"], "float32"), (["--memory-budget", "90%"], "float32")):
-        out = tmp_path / fmt / str(len(extra))
-        r = CliRunner().invoke(cli, [*base, *extra, "-o", str(out)])
+    cases = (("llama", [], "float16"), ("llama", ["--kv-cache", "float32"], "float32"), ("llama", ["--memory-budget", "90%"], "float32"),
+             ("phi", [], "float32"))
+    for i, (family, extra, fmt) in enumerate(cases):
+        out = tmp_path / str(i)
+        r = CliRunner().invoke(cli, ["compile", str(model_dirs(family)), *base, *extra, "-o", str(out)])
         assert r.exit_code == 0, r.output
         m = json.loads((out / "manifest.json").read_text())
-        assert m["pipeline"].startswith("float16_kv_cache,") == (fmt == "float16"), (extra, m["pipeline"])
+        assert m["pipeline"].startswith("float16_kv_cache,") == (not extra), (family, extra, m["pipeline"])
         if "--memory-budget" in extra:
             continue
         ops = _ops(out)[f"{m['decode_graph']}.r1"]
@@ -181,3 +185,18 @@ def test_default_native_npu_bundle_has_a_float16_cache(model_dirs, calib_words, 
         s.prefill(_ids(CHUNK + 3))
         assert np.isfinite(s.decode(5)).all()
         assert {a.dtype for a in [*s.cache.k.values(), *s.cache.v.values()]} == {np.dtype(fmt)}
+
+
+def test_auto_keeps_float32_where_native_attention_would_not_read_the_halves(model_dirs):
+    """Run for --kv-cache auto, float16_kv_cache leaves every cache float32 when some layer's attention is not one the
+    decode graph's native op takes at one row and at chunk rows (phi rotates 8 of its 16 dims, so its prompt attends
+    outside the decode graph; llama's is taken); asked for explicitly, it marks them all."""
+    from test_quantization import _ctx, _run
+
+    for family, kept in (("phi", True), ("llama", False)):
+        g, ctx = _ctx(model_dirs(family), cpu_kernels="native", kv_cache_auto=True)
+        _run(g, ctx, "float16_kv_cache")
+        assert all(("kv_dtype" not in n.attrs) == kept for n in g.find("Attention")), family
+    g, ctx = _ctx(model_dirs("phi"), cpu_kernels="native")
+    _run(g, ctx, "float16_kv_cache")
+    assert all(n.attrs["kv_dtype"] == "float16" for n in g.find("Attention"))

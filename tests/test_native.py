@@ -1157,3 +1157,26 @@ def test_w8a8_matmul_reads_the_swiglu_of_its_input(native_kernels, rows):
         weights = {**w, "norm": np.ones(k, np.float32)} if "epsilon" in bad else w
         with pytest.raises((Fail, InvalidArgument, RuntimeException), match=match):
             _session(_w8_model(None, n, weights, x_scale=0.01, x_zero_point=128, **bad), native_kernels)
+
+
+def test_swiglu_stays_an_op_where_another_op_reads_its_result(model_dirs):
+    """The backend leaves a gated MLP's activation to the down projection's W8A8MatMul only in one-row graphs and only
+    where W8A8MatMul ops (and the corrections they do) are all that read it: a chunk instance keeps llmc's SwiGLU, and
+    so would a one-row graph in which any other op read the activation."""
+    from llmc.analyses import DecodeGraph
+    from llmc.backends.onnx_backend import _Builder
+    from llmc.passes import DEFAULT_PIPELINES
+
+    from test_quantization import _ctx, _run
+
+    g, ctx = _ctx(model_dirs("llama"), cpu_kernels="native")
+    _run(g, ctx, DEFAULT_PIPELINES["npu"].split(",fuse_decode_graph")[0] + ",fuse_decode_graph")
+    sub = ctx.get(DecodeGraph).subgraph
+    one_row = _Builder(g, sub, 1, {}, native=True)
+    muls = [n for n in g.nodes if n.name in one_row.members and n.op == "Mul" and one_row.swiglu(n) is not None]
+    assert muls and all(one_row.gated_in_projection(m) for m in muls)
+    assert not any(_Builder(g, sub, CHUNK, {}, native=True).gated_in_projection(m) for m in muls)
+    other = next(n for n in g.nodes if n.name in one_row.members and n.op == "Add")
+    muls[0].outputs[0]._uses.append((other, 0))  # another reader of the activation
+    assert not one_row.gated_in_projection(muls[0]) and one_row.swiglu_inside(muls[0].outputs[0]) is None
+    assert all(one_row.gated_in_projection(m) for m in muls[1:])

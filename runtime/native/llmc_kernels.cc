@@ -1238,7 +1238,7 @@ struct SwigluKernel {
     Ort::KernelContext ctx(context);
     Ort::ConstValue x = ctx.GetInput(0);
     std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
-    if (shape.empty() || std::max(gate, up) + width > shape.back())
+    if (shape.empty() || std::max(gate, up) > shape.back() - width)
       throw Ort::Exception("SwiGLU: x must be [..., W] with the gate and up columns inside W", ORT_INVALID_ARGUMENT);
     const int64_t w = shape.back();
     const int64_t rows = leading_rows(shape);
@@ -1870,7 +1870,7 @@ struct W8Kernel {
       }
     }
     const bool gated = gate >= 0;
-    if (gated && (shape.empty() || std::max(gate, up) + f.k > shape.back()))
+    if (gated && (shape.empty() || std::max(gate, up) > shape.back() - f.k))
       throw Ort::Exception("W8A8MatMul: x must be [..., W] with the gate and up columns (K of each) inside W", ORT_INVALID_ARGUMENT);
     if (!gated && (shape.empty() || shape.back() != f.k))
       throw Ort::Exception("W8A8MatMul: x must be [..., K] and w [K, N] with the same K", ORT_INVALID_ARGUMENT);
