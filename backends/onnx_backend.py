@@ -420,8 +420,8 @@ class _Builder:
     def native_projection(self, q: Node, shadow: Node | None, out: str, residual: str | None = None) -> None:
         """``out = residual + (W8A8 q(x) + shadow's correction)`` as llmc's native ``W8A8MatMul`` (one op for
         QuantizeLinear, the QDQ MatMul, ShadowCorrection and the residual Add), the RMS norm before it inside too
-        where only such ops read it (:meth:`normed_in_projections`), or the SwiGLU before it where it is the only
-        reader (:meth:`gated_in_projection`)."""
+        where only such ops read it (:meth:`normed_in_projections`), or the SwiGLU before it where only such ops read
+        its result (:meth:`gated_in_projection`)."""
         a = q.attrs
         ins = [q.inputs[0].name, self.weight(q.weights["qweight"]), self.weight(q.weights["wscale"])]
         if q.weights["wscale"].shape == (1,):  # a per-tensor scale: a scalar, as in the instances with stock ops

@@ -216,8 +216,8 @@ def compile_model(
     (calib_file, calib_tokens, cache_dir, shadow, clip_percentile, shadow_keep,
     pruned_percentile, hot_budget, weight_granularity, weight_bits); they matter for ``target="npu"``.
     ``weight_format="int4"`` (``target="cpu"`` only) runs the ``cpu-int4`` pipeline: weight-only
-    int4 Linears (``quantize_int4``). ``kv_cache="auto"`` is float16 for npu bundles with native kernels (but
-    with ``soc``), else float32 (:func:`resolve_kv_cache`); ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
+    int4 Linears (``quantize_int4``). ``kv_cache="auto"`` is float16 for npu bundles with native kernels
+    (except with ``soc``), else float32 (:func:`resolve_kv_cache`); ``kv_cache="int8"`` adds ``quantize_kv_cache`` (and
     ``calibrate`` where the pipeline has none, see :func:`with_kv_cache`): an int8 KV cache; ``kv_cache="float16"``
     adds ``float16_kv_cache`` (first, :func:`with_float16_kv_cache`) and needs ``cpu_kernels="native"``.
     ``cpu_kernels="native"`` writes the shadow corrections (over float16 weight tables), the decode graph's
