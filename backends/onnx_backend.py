@@ -263,9 +263,9 @@ class _Builder:
             self.add("LayerNormalization", ins, y, n.name, axis=-1, epsilon=float(a["eps"]))
         elif n.op == "Act" and self.into_swiglu(n):
             pass  # the Mul after it is llmc's SwiGLU (see swiglu)
-        elif n.op == "Mul" and (fused := self.swiglu(n)) is not None and self.gated_in_projection(n):
-            pass  # the W8A8MatMul that reads its result computes it (see swiglu_inside)
-        elif n.op == "Mul" and fused is not None:
+        elif n.op == "Mul" and (fused := self.swiglu(n)) is not None:
+            if self.gated_in_projection(n):
+                return  # the W8A8MatMul that reads its result computes it (see swiglu_inside)
             _, whole, gate, up, width = fused
             quant = self.quantized_by(n.outputs[0])
             codes = {} if quant is None else {"scale": quant[0], "zero_point": quant[1]}
@@ -361,20 +361,21 @@ class _Builder:
         ``W8A8MatMul`` ops that read its result (an optional input of theirs): every reader of it is one (or the
         correction a W8A8MatMul does too), in this graph, and no graph output or stock W8A8 projection needs the
         normalised values themselves."""
-        v = norm.outputs[0]
-        if not self.native or v.name in self.sub.outputs or not v.uses or self.quantized_by(v) is not None:
-            return False
-        return all(u.name in self.members and i == 0 and (self.block_q_matmul(u) or self.w8a8_matmul(u)
-                   or (u.op == "ShadowOutliers" and (q := self.fused_projection(u)) is not None and q.inputs[0] is v)) for u, i in v.uses)
+        return self.native and self.read_by_native_projections(norm.outputs[0], block_q=True)
 
     def gated_in_projection(self, mul: Node) -> bool:
-        """Whether the :meth:`swiglu` ``mul`` of a one-row graph with llmc's native ops is computed by the
-        ``W8A8MatMul`` ops that read its result (their gate and up attributes): every reader of it is one (or the
-        correction a W8A8MatMul does too), in this graph, and the result is no graph output."""
-        v = mul.outputs[0]
-        if self.rows != 1 or v.name in self.sub.outputs or not v.uses or self.quantized_by(v) is not None:
+        """Whether the :meth:`swiglu` ``mul`` (a graph with llmc's native ops) is computed by the ``W8A8MatMul`` ops
+        that read its result (their gate and up attributes; one-row graphs, as W8A8MatMul): every reader of it is
+        one (or the correction a W8A8MatMul does too), in this graph, and the result is no graph output."""
+        return self.read_by_native_projections(mul.outputs[0], block_q=False)
+
+    def read_by_native_projections(self, v: Value, block_q: bool) -> bool:
+        """Whether every reader of ``v`` is a native projection of this graph that takes it as its input (a
+        ``W8A8MatMul``, the correction one does too, and with ``block_q`` a ``BlockQMatMul``), and no graph output
+        or stock projection needs ``v`` itself (:meth:`normed_in_projections`, :meth:`gated_in_projection`)."""
+        if v.name in self.sub.outputs or not v.uses or self.quantized_by(v) is not None:
             return False
-        return all(u.name in self.members and i == 0 and (self.w8a8_matmul(u)
+        return all(u.name in self.members and i == 0 and ((block_q and self.block_q_matmul(u)) or self.w8a8_matmul(u)
                    or (u.op == "ShadowOutliers" and (q := self.fused_projection(u)) is not None and q.inputs[0] is v)) for u, i in v.uses)
 
     def swiglu_inside(self, v: Value) -> tuple[str, int, int] | None:

@@ -15,11 +15,12 @@ An ``Attention`` node with an int8 cache (``quantize_kv_cache``'s scales) is an
 error: a layer's cache has one type.
 
 Run for ``--kv-cache auto`` (``CompileOptions.kv_cache_auto``), the pass leaves
-every cache float32 when a layer's attention is not one that llmc's native op
-takes both at one row and at a chunk's rows (more than 16 query heads per KV
-head, a head size it does not take at chunk rows, partial rotary): the decode
-graph, or its chunk instance, would then not run it, and the prompt would attend
-with the numpy kernel where a float32 cache keeps ONNX Runtime's.
+every cache float32 when the decode graph's chunk instance could not attend over
+the float16 layers (``fuse_decode_graph.why_not_chunks`` with native kernels: a
+layer llmc's op does not take at a chunk's rows, such as more than 16 query
+heads per KV head, a head size it does not take there, or partial rotary): the
+prompt would then attend with the numpy kernel where a float32 cache keeps ONNX
+Runtime's.
 """
 
 from __future__ import annotations
@@ -29,25 +30,11 @@ import logging
 from llmc.errors import CompileError
 from llmc.ir import Graph
 from llmc.pass_manager import Pass, PassContext, PassResult
-from llmc.runtime.native import attention_takes
-from llmc.runtime.ort_attention import node_rotates
+from llmc.passes.fuse_decode_graph import why_not_chunks
 
 log = logging.getLogger(__name__)
 
 KV_DTYPE = "float16"
-
-
-def not_in_graphs(graph: Graph) -> str | None:
-    """Why llmc's native attention would not read some layer's float16 cache in the decode graph at one row and at a
-    chunk's rows, or None."""
-    for n in graph.find("Attention"):
-        a = n.attrs
-        if not (attention_takes(a["num_heads"], a["num_kv_heads"], a["head_dim"], rows=1)
-                and attention_takes(a["num_heads"], a["num_kv_heads"], a["head_dim"], rows=2)):
-            return f"{n.name} has {a['num_heads']} heads over {a['num_kv_heads']} of size {a['head_dim']}, which llmc's attention op does not take at every row count"
-        if not node_rotates(a["rotary_dim"], a["head_dim"]):
-            return f"{n.name} rotates {a['rotary_dim']} of {a['head_dim']} dims, so its prompt attends outside the decode graph"
-    return None
 
 
 class Float16KVCache(Pass):
@@ -55,15 +42,22 @@ class Float16KVCache(Pass):
     summary = "float16 KV cache: every Attention's cache holds halves (no calibration; native decode attention)"
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        if ctx.options.kv_cache_auto and (why := not_in_graphs(graph)) is not None:
-            log.info("--kv-cache auto: the KV cache stays float32 (%s)", why)
-            return PassResult(False)
-        changed = False
-        for n in graph.find("Attention"):
+        attns = graph.find("Attention")
+        for n in attns:
             if "k_scale" in n.weights:
                 raise CompileError(f"{n.name} already has an int8 KV cache (quantize_kv_cache): a layer's cache has one type",
                                    hint="choose one of --kv-cache int8 and --kv-cache float16")
-            if n.attrs.get("kv_dtype") != KV_DTYPE:
-                n.attrs["kv_dtype"] = KV_DTYPE
-                changed = True
-        return PassResult(changed)
+        before = {n.name: n.attrs.get("kv_dtype") for n in attns}
+        for n in attns:
+            n.attrs["kv_dtype"] = KV_DTYPE
+        # under auto: the decode graph's chunk instance (fuse_decode_graph) must take every float16 layer with llmc's
+        # native attention, which then also takes it at one row
+        if ctx.options.kv_cache_auto and (why := why_not_chunks(graph, native=True)) is not None:
+            for n in attns:
+                if before[n.name] is None:
+                    del n.attrs["kv_dtype"]
+                else:
+                    n.attrs["kv_dtype"] = before[n.name]
+            log.info("--kv-cache auto: the KV cache stays float32 (%s)", why)
+            return PassResult(False)
+        return PassResult(any(v != KV_DTYPE for v in before.values()))
