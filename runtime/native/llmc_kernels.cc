@@ -13,11 +13,14 @@
 // R * k * N multiply-adds for k outliers a row, instead of R * M * N for a block's union of M.
 //
 // A row's outliers are found 16 entries at a time (a mask of compares, with AVX-512). The work is then
-// split into tasks, a tile of output columns (at most kTile, the tiles of a row of even widths in whole
-// vectors) by a block of rows, run on ONNX Runtime's intra-op threads. Each row sums its outliers'
-// weight-row slices in order of channel in vector registers, then adds base: the output is written once,
-// and a block's weight-row slices stay in cache across its rows. A NaN entry of x is an outlier (its
-// excess is NaN), as in the graph form.
+// split into tasks, a block of rows by a group of column tiles (at most kTile columns each, the tiles of a
+// row of even widths in whole vectors), run on ONNX Runtime's intra-op threads. A task takes its rows one at
+// a time and each row's tiles in turn: a tile sums the row's outliers' weight-row slices in order of channel
+// in vector registers, then adds base, so the output is written once and each row's base, residual and
+// output are read and written in address order; the weight rows of a block's outlier channels stay in
+// cache across its rows. (Tasks of a column tile by a block of rows, visiting each row in slices of 96
+// columns, ran 30% slower on a chunk.) A NaN entry of x is an outlier (its excess is NaN), as in the graph
+// form.
 //
 // Built by `llmc kernels build` (llmc.runtime.native) against ONNX Runtime's C/C++ API headers;
 // it calls ONNX Runtime only through the API table it is registered with, so it links to no
@@ -57,8 +60,8 @@ constexpr int64_t kTile = 48;
 
 constexpr int64_t kScan = 64;  // x entries tested at once for an outlier without AVX (branch-free, then one at a time)
 constexpr int64_t kMaskLanes = 16;  // entries compared to a mask at once: with AVX-512 16, with AVX 8
-constexpr int64_t kBlockRows = 32;  // a task's rows: blocks of at least this many
-constexpr int64_t kTasks = 8;  // tasks to aim for, column tiles times row blocks
+constexpr int64_t kTasks = 8;  // tasks to aim for (the row-blocked ops)
+constexpr int64_t kShadowTasks = 16;  // ShadowCorrection's: row blocks times groups of column tiles
 constexpr size_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
 constexpr int64_t kAttentionParallel = 1 << 15;  // attended positions x head size x heads below which one thread does it all
 
@@ -257,7 +260,7 @@ struct Job {
   const float* base;      // may be null
   const float* residual;  // may be null
   float* y;
-  int64_t rows, n, tiles, width, row_blocks;  // width: columns per tile, a multiple of kNative (the last tile may be narrower)
+  int64_t rows, n, tiles, width, row_blocks, groups;  // width: columns per tile, a multiple of kNative (the last tile may be narrower)
 };
 
 // Rows [r0, r1) of the output's columns [n0, n0 + NV * kNative): each row's outliers' weight-row slices,
@@ -309,17 +312,21 @@ void tail_rows(const Job<W>& job, int64_t r0, int64_t r1, int64_t n0, int64_t n1
     }
 }
 
-// Task t: column tile t % tiles of the rows in row block t / tiles.
+// Task t: rows [r0, r1) of row block t / groups, columns of tile group t % groups; a row at a time, its tiles in
+// turn, so that each row's base, residual and output are read and written in address order.
 template <typename W>
 void run_task(void* data, size_t t) {
   static constexpr auto kernels = tile_kernels<W>(std::make_integer_sequence<int, kTile / kNative>{});
   const Job<W>& job = *static_cast<const Job<W>*>(data);
-  const int64_t tile = static_cast<int64_t>(t) % job.tiles, block = static_cast<int64_t>(t) / job.tiles;
-  const int64_t n0 = tile * job.width, n1 = std::min(job.n, n0 + job.width), vecs = (n1 - n0) / kNative;
-  const int64_t per = (job.rows + job.row_blocks - 1) / job.row_blocks;
-  const int64_t r0 = block * per, r1 = std::min(job.rows, r0 + per);
-  if (vecs > 0) kernels[vecs - 1](job, r0, r1, n0);
-  if (n0 + vecs * kNative < n1) tail_rows(job, r0, r1, n0 + vecs * kNative, n1);
+  const int64_t block = static_cast<int64_t>(t) / job.groups, group = static_cast<int64_t>(t) % job.groups;
+  const int64_t per = (job.rows + job.row_blocks - 1) / job.row_blocks, r0 = block * per, r1 = std::min(job.rows, r0 + per);
+  const int64_t per_group = (job.tiles + job.groups - 1) / job.groups, t0 = group * per_group, t1 = std::min(job.tiles, t0 + per_group);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t tile = t0; tile < t1; ++tile) {
+      const int64_t n0 = tile * job.width, n1 = std::min(job.n, n0 + job.width), vecs = (n1 - n0) / kNative;
+      if (vecs > 0) kernels[vecs - 1](job, r, r + 1, n0);
+      if (n0 + vecs * kNative < n1) tail_rows(job, r, r + 1, n0 + vecs * kNative, n1);
+    }
 }
 
 template <typename W>
@@ -328,11 +335,12 @@ void correct(Ort::KernelContext& ctx, const Outliers& outliers, const W* wt, con
   // columns in as few tiles of at most kTile as there can be, of even widths (whole vectors but the last's end)
   const int64_t tiles = (n + kTile - 1) / kTile;
   const int64_t width = ((n + tiles - 1) / tiles + kNative - 1) / kNative * kNative;
-  // as few row blocks as make kTasks tasks (a block's rows share its weight-row slices in cache), of
-  // kBlockRows rows at least
-  const int64_t row_blocks = std::max<int64_t>(1, std::min<int64_t>(rows / kBlockRows, (kTasks + tiles - 1) / tiles));
-  Job<W> job{&outliers, wt, base, residual, y, rows, n, (n + width - 1) / width, width, row_blocks};
-  const size_t tasks = static_cast<size_t>(job.tiles * row_blocks);
+  // kShadowTasks blocks of rows (a chunk's), or one a row where there are fewer, each cut into as many groups of
+  // tiles as make up kShadowTasks (a prompt's last row through the LM head: its 49,152 columns in 16 groups)
+  const int64_t row_blocks = std::min<int64_t>(rows, kShadowTasks);
+  const int64_t groups = std::clamp<int64_t>((kShadowTasks + row_blocks - 1) / std::max<int64_t>(row_blocks, 1), 1, std::max<int64_t>(tiles, 1));
+  Job<W> job{&outliers, wt, base, residual, y, rows, n, (n + width - 1) / width, width, row_blocks, groups};
+  const size_t tasks = static_cast<size_t>(row_blocks * groups);
   if (tasks > 1 && outliers.channel.size() * static_cast<size_t>(n) >= kParallelWork)
     ctx.ParallelFor(run_task<W>, tasks, 0, &job);
   else
