@@ -536,20 +536,32 @@ const float* rows_as_float(const T* src, int64_t count, std::vector<float>& buf)
 constexpr int kHeadBatch = kNative == 16 ? 4 : 3;  // AVX: 3 heads x 4 vectors of output columns, 12 of 16 registers
 constexpr int kRowVecs = 4;                        // output columns per pass over a block's value rows: 4 vectors
 
-// s[h][first, first + kNative) = scale * q_h . k_i for the G heads from q on (rows d apart).
+// s[h][first, first + kNative) = scale * q_h . k_i for the G heads from q on (rows d apart). kKeyStep keys at a
+// time, so that G * kKeyStep sums are in flight (one key's G alone would wait on each multiply-add's latency).
+constexpr int64_t kKeyStep = 4;
+
 template <int G, typename T>
 inline void score_keys(const float* q, const T* k, int64_t d, int64_t first, float scale, float (*s)[kPositions]) {
+  static_assert(kNative % kKeyStep == 0);
   NVec a[G][kNative];
-  for (int64_t i = 0; i < kNative; ++i) {
+  for (int64_t i = 0; i < kNative; i += kKeyStep) {
     const T* kr = k + (first + i) * d;
-    NVec acc[G] = {};
+    NVec acc[G][kKeyStep] = {};
     for (int64_t j = 0; j < d; j += kNative) {
-      const NVec kv = nload16(kr + j);
+      NVec kv[kKeyStep];
 #pragma GCC unroll 4
-      for (int h = 0; h < G; ++h) acc[h] += nload(q + h * d + j) * kv;
+      for (int x = 0; x < kKeyStep; ++x) kv[x] = nload16(kr + x * d + j);
+#pragma GCC unroll 4
+      for (int h = 0; h < G; ++h) {
+        const NVec qv = nload(q + h * d + j);
+#pragma GCC unroll 4
+        for (int x = 0; x < kKeyStep; ++x) acc[h][x] += qv * kv[x];
+      }
     }
 #pragma GCC unroll 4
-    for (int h = 0; h < G; ++h) a[h][i] = acc[h];
+    for (int h = 0; h < G; ++h)
+#pragma GCC unroll 4
+      for (int x = 0; x < kKeyStep; ++x) a[h][i + x] = acc[h][x];
   }
   for (int h = 0; h < G; ++h) nstore(&s[h][first], lane_sums(a[h]) * scale);
 }
