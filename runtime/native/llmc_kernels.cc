@@ -461,6 +461,12 @@ inline NVec vexp(NVec x) {
   return (NVec)bits;
 }
 
+inline float hmax(NVec v) {
+  float t = v[0];
+  for (int64_t l = 1; l < kNative; ++l) t = std::max(t, v[l]);
+  return t;
+}
+
 inline float hsum(NVec v) {
   float t = 0.0f;
   for (int64_t l = 0; l < kNative; ++l) t += v[l];
@@ -658,9 +664,20 @@ void attend_block(void* data, size_t t) {
     });
   for (int64_t h = 0; h < job.group; ++h) {
     const int64_t slot = (g * job.group + h) * job.blocks + b;
-    float top = -INFINITY;
-    bool nan = false;  // a NaN score makes the head's output NaN (as in GroupQueryAttention), not garbage from the exp
-    for (int64_t i = 0; i < n; ++i) {
+    // the largest score, a native vector at a time; a NaN score makes the head's output NaN (as in
+    // GroupQueryAttention), not garbage from the exp
+    NVec tops = nsplat(-INFINITY);
+    NIVec bad = {};
+    int64_t i = 0;
+    for (; i + kNative <= n; i += kNative) {
+      const NVec x = nload(&s[h][i]);
+      bad |= x != x;
+      tops = tops > x ? tops : x;
+    }
+    float top = hmax(tops);
+    bool nan = false;
+    for (int64_t l = 0; l < kNative; ++l) nan |= bad[l] != 0;
+    for (; i < n; ++i) {
       top = std::max(top, s[h][i]);
       nan |= s[h][i] != s[h][i];
     }
@@ -668,13 +685,13 @@ void attend_block(void* data, size_t t) {
       job.m[slot] = job.l[slot] = NAN;
       continue;
     }
-    float sum = 0.0f;
-    int64_t i = 0;
-    for (; i + kNative <= n; i += kNative) {
+    NVec sums = {};
+    for (i = 0; i + kNative <= n; i += kNative) {
       const NVec e = vexp(nload(&s[h][i]) - top);
       nstore(&s[h][i], e);
-      sum += hsum(e);
+      sums += e;
     }
+    float sum = hsum(sums);
     for (; i < n; ++i) {
       s[h][i] = std::exp(s[h][i] - top);
       sum += s[h][i];
@@ -744,12 +761,6 @@ NIVec lane_numbers() {
 }
 
 const NIVec native_index = lane_numbers();
-
-inline float hmax(NVec v) {
-  float t = v[0];
-  for (int64_t l = 1; l < kNative; ++l) t = std::max(t, v[l]);
-  return t;
-}
 
 // The scores of kRowGroup query rows against P native vectors of keys from vector b0 of a block transposed
 // ([d][kKeyBlock]), summed in kRowGroup * P registers.
