@@ -45,11 +45,13 @@ def _outliers(rng, shape, rate: float, lo: float, hi: float) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("shape,n,threads", [((64, 96), 300, 2), ((2, 5, 40), 256, 1), ((1, 96), 520, 2), ((33, 8), 7, 2)])
+@pytest.mark.parametrize("shape,n,threads", [((64, 96), 300, 2), ((2, 5, 40), 256, 1), ((1, 96), 520, 2), ((33, 8), 7, 2),
+                                             ((4, 512), 4000, 2)])
 def test_shadow_correction_matches_numpy(native_kernels, shape, n, threads):
     """base + (x - clip(x, lo, hi)) @ wt, at chunk and one-row shapes, a partial last column tile (300,
     520), exactly one tile (256), fewer columns than a tile (7), with and without base, on one thread
-    and on ONNX Runtime's pool; rows without outliers are base exactly."""
+    and on ONNX Runtime's pool (4 rows of 4,000 columns: tasks of a row by a group of column tiles); rows
+    without outliers are base exactly."""
     rng = np.random.default_rng(sum(shape) + n)
     lo, hi = -0.75, 1.25
     x = _outliers(rng, shape, 0.03, lo, hi)
@@ -65,6 +67,17 @@ def test_shadow_correction_matches_numpy(native_kernels, shape, n, threads):
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-4 * np.abs(ref).max())
         first = y.reshape(-1, n)[0]
         np.testing.assert_array_equal(first, base.reshape(-1, n)[0] if with_base else np.zeros(n, np.float32))
+
+
+@pytest.mark.parametrize("rows,n", [(0, 40), (6, 0)])
+def test_shadow_correction_of_nothing_is_empty(native_kernels, rows, n):
+    """No rows, or a weight table of no columns: an empty result of the right shape."""
+    rng = np.random.default_rng(5)
+    wt = rng.standard_normal((24, n)).astype(np.float32)
+    x = _outliers(rng, (rows, 24), 0.2, -1.0, 1.0)
+    sess = _session(_op_model((rows, 24), wt, -1.0, 1.0, True), native_kernels)
+    y = sess.run(None, {"x": x, "base": np.zeros((rows, n), np.float32)})[0]
+    assert y.shape == (rows, n) and y.dtype == np.float32
 
 
 def test_shadow_correction_takes_float16_tables(native_kernels):

@@ -17,10 +17,10 @@
 // row of even widths in whole vectors), run on ONNX Runtime's intra-op threads. A task takes its rows one at
 // a time and each row's tiles in turn: a tile sums the row's outliers' weight-row slices in order of channel
 // in vector registers, then adds base, so the output is written once and each row's base, residual and
-// output are read and written in address order; the weight rows of a block's outlier channels stay in
-// cache across its rows. (Tasks of a column tile by a block of rows, visiting each row in slices of 96
-// columns, ran 30% slower on a chunk.) A NaN entry of x is an outlier (its excess is NaN), as in the graph
-// form.
+// output are read and written in address order; the weight rows of a block's outlier channels tend to stay
+// in cache across its rows. (Tasks of a column tile by a block of rows, visiting each row in slices of kTile
+// columns, spent 25-40% more time on a 512-token prefill.) A NaN entry of x is an outlier (its excess is NaN),
+// as in the graph form.
 //
 // Built by `llmc kernels build` (llmc.runtime.native) against ONNX Runtime's C/C++ API headers;
 // it calls ONNX Runtime only through the API table it is registered with, so it links to no
@@ -48,7 +48,7 @@
 
 namespace {
 
-// Output columns per task, summed in vector registers: with AVX-512, 256 (16 of its 32 registers; 1 KiB of a
+// Output columns per tile, summed in vector registers: with AVX-512, 256 (16 of its 32 registers; 1 KiB of a
 // weight row, of an output row); with AVX, 96 (12 of its 16); else 48.
 #if defined(__AVX512F__)
 constexpr int64_t kTile = 256;
@@ -260,7 +260,8 @@ struct Job {
   const float* base;      // may be null
   const float* residual;  // may be null
   float* y;
-  int64_t rows, n, tiles, width, row_blocks, groups;  // width: columns per tile, a multiple of kNative (the last tile may be narrower)
+  int64_t rows, n, tiles, width;  // width: columns per tile, a multiple of kNative (the last tile may be narrower)
+  int64_t block_rows, group_tiles, groups;  // a task's rows and tiles (the last block's and group's may be fewer)
 };
 
 // Rows [r0, r1) of the output's columns [n0, n0 + NV * kNative): each row's outliers' weight-row slices,
@@ -312,15 +313,15 @@ void tail_rows(const Job<W>& job, int64_t r0, int64_t r1, int64_t n0, int64_t n1
     }
 }
 
-// Task t: rows [r0, r1) of row block t / groups, columns of tile group t % groups; a row at a time, its tiles in
+// Task t: the rows of row block t / groups, the columns of tile group t % groups; a row at a time, its tiles in
 // turn, so that each row's base, residual and output are read and written in address order.
 template <typename W>
 void run_task(void* data, size_t t) {
   static constexpr auto kernels = tile_kernels<W>(std::make_integer_sequence<int, kTile / kNative>{});
   const Job<W>& job = *static_cast<const Job<W>*>(data);
   const int64_t block = static_cast<int64_t>(t) / job.groups, group = static_cast<int64_t>(t) % job.groups;
-  const int64_t per = (job.rows + job.row_blocks - 1) / job.row_blocks, r0 = block * per, r1 = std::min(job.rows, r0 + per);
-  const int64_t per_group = (job.tiles + job.groups - 1) / job.groups, t0 = group * per_group, t1 = std::min(job.tiles, t0 + per_group);
+  const int64_t r0 = block * job.block_rows, r1 = std::min(job.rows, r0 + job.block_rows);
+  const int64_t t0 = group * job.group_tiles, t1 = std::min(job.tiles, t0 + job.group_tiles);
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t tile = t0; tile < t1; ++tile) {
       const int64_t n0 = tile * job.width, n1 = std::min(job.n, n0 + job.width), vecs = (n1 - n0) / kNative;
@@ -332,14 +333,17 @@ void run_task(void* data, size_t t) {
 template <typename W>
 void correct(Ort::KernelContext& ctx, const Outliers& outliers, const W* wt, const float* base, const float* residual, float* y, int64_t rows,
              int64_t n) {
+  if (rows == 0 || n == 0) return;  // an empty result
   // columns in as few tiles of at most kTile as there can be, of even widths (whole vectors but the last's end)
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  const int64_t width = ((n + tiles - 1) / tiles + kNative - 1) / kNative * kNative;
-  // kShadowTasks blocks of rows (a chunk's), or one a row where there are fewer, each cut into as many groups of
-  // tiles as make up kShadowTasks (a prompt's last row through the LM head: its 49,152 columns in 16 groups)
-  const int64_t row_blocks = std::min<int64_t>(rows, kShadowTasks);
-  const int64_t groups = std::clamp<int64_t>((kShadowTasks + row_blocks - 1) / std::max<int64_t>(row_blocks, 1), 1, std::max<int64_t>(tiles, 1));
-  Job<W> job{&outliers, wt, base, residual, y, rows, n, (n + width - 1) / width, width, row_blocks, groups};
+  const int64_t most = (n + kTile - 1) / kTile;
+  const int64_t width = ((n + most - 1) / most + kNative - 1) / kNative * kNative, tiles = (n + width - 1) / width;
+  // about kShadowTasks blocks of rows (a chunk's), or one a row where there are fewer, each cut into groups of
+  // tiles to make up at least kShadowTasks tasks (a prompt's last row through the LM head: its 49,152 columns in 16
+  // groups); blocks and groups of equal size but the last, none empty
+  const int64_t block_rows = (rows + kShadowTasks - 1) / kShadowTasks, row_blocks = (rows + block_rows - 1) / block_rows;
+  const int64_t want = std::min(tiles, (kShadowTasks + row_blocks - 1) / row_blocks);
+  const int64_t group_tiles = (tiles + want - 1) / want, groups = (tiles + group_tiles - 1) / group_tiles;
+  Job<W> job{&outliers, wt, base, residual, y, rows, n, tiles, width, block_rows, group_tiles, groups};
   const size_t tasks = static_cast<size_t>(row_blocks * groups);
   if (tasks > 1 && outliers.channel.size() * static_cast<size_t>(n) >= kParallelWork)
     ctx.ParallelFor(run_task<W>, tasks, 0, &job);
@@ -544,7 +548,11 @@ constexpr int kRowVecs = 4;                        // output columns per pass ov
 
 // s[h][first, first + kNative) = scale * q_h . k_i for the G heads from q on (rows d apart). kKeyStep keys at a
 // time, so that G * kKeyStep sums are in flight (one key's G alone would wait on each multiply-add's latency).
+#if defined(__FMA__) || defined(__AVX512F__)
 constexpr int64_t kKeyStep = 4;
+#else
+constexpr int64_t kKeyStep = 2;  // a multiply and an add need a register more than a fused one (AVX's 16)
+#endif
 
 template <int G, typename T>
 inline void score_keys(const float* q, const T* k, int64_t d, int64_t first, float scale, float (*s)[kPositions]) {
