@@ -959,9 +959,16 @@ void attend_chunk(void* data, size_t t) {
   }
   for (int64_t r = 0; r < n; ++r) {  // normalised by the sums (an int8 cache: times V's scales), a NaN score's row NaN
     float* y = job.out + (i0 + r / job.group) * hd + (g * job.group + r % job.group) * d;
-    const float inv = 1.0f / l[r];
-    for (int64_t j = 0; j < d; ++j)
-      y[j] = nan[r] ? NAN : acc[r * d + j] * inv * (job.v_scale != nullptr ? job.v_scale[g * d + j] : 1.0f);
+    if (nan[r]) {
+      std::fill(y, y + d, NAN);
+      continue;
+    }
+    const NVec inv = nsplat(1.0f / l[r]);
+    const float* a = acc.data() + r * d;
+    if (job.v_scale != nullptr)
+      for (int64_t j = 0; j < d; j += kNative) nstore(y + j, nload(a + j) * inv * nload(job.v_scale + g * d + j));
+    else
+      for (int64_t j = 0; j < d; j += kNative) nstore(y + j, nload(a + j) * inv);
   }
 }
 
