@@ -471,6 +471,13 @@ inline float hmax(NVec v) {
   return t;
 }
 
+// Whether any lane of a compare's mask is set.
+inline bool any_lane(NIVec v) {
+  bool any = false;
+  for (int64_t l = 0; l < kNative; ++l) any |= v[l] != 0;
+  return any;
+}
+
 inline float hsum(NVec v) {
   float t = 0.0f;
   for (int64_t l = 0; l < kNative; ++l) t += v[l];
@@ -683,8 +690,7 @@ void attend_block(void* data, size_t t) {
       tops = tops > x ? tops : x;
     }
     float top = hmax(tops);
-    bool nan = false;
-    for (int64_t l = 0; l < kNative; ++l) nan |= bad[l] != 0;
+    bool nan = any_lane(bad);
     for (; i < n; ++i) {
       top = std::max(top, s[h][i]);
       nan |= s[h][i] != s[h][i];
@@ -933,7 +939,7 @@ void attend_chunk(void* data, size_t t) {
           nstore(&sc[rr][b * kNative], x);
         }
         const float grown = std::max(m[r], hmax(top)), rescale = std::exp(m[r] - grown);
-        for (int64_t x = 0; x < kNative; ++x) nan[r] |= bad[x] != 0;
+        nan[r] |= any_lane(bad);
         NVec sum = {};
         for (int64_t b = 0; b < kKeyNative; ++b) {
           const NVec x = nload(&sc[rr][b * kNative]);
