@@ -46,12 +46,13 @@ def _outliers(rng, shape, rate: float, lo: float, hi: float) -> np.ndarray:
 
 
 @pytest.mark.parametrize("shape,n,threads", [((64, 96), 300, 2), ((2, 5, 40), 256, 1), ((1, 96), 520, 2), ((33, 8), 7, 2),
-                                             ((4, 512), 4000, 2)])
+                                             ((4, 512), 4000, 2), ((48, 600), 1500, 2), ((40, 1000), 1500, 2)])
 def test_shadow_correction_matches_numpy(native_kernels, shape, n, threads):
     """base + (x - clip(x, lo, hi)) @ wt, at chunk and one-row shapes, a partial last column tile (300,
     520), exactly one tile (256), fewer columns than a tile (7), with and without base, on one thread
-    and on ONNX Runtime's pool (4 rows of 4,000 columns: tasks of a row by a group of column tiles); rows
-    without outliers are base exactly."""
+    and on ONNX Runtime's pool (4 rows of 4,000 columns: tasks of a row by a group of column tiles, the
+    outliers found before them; 48 and 40 rows: tasks that find their own rows' outliers, 16 blocks of 3
+    rows, and 14 blocks by 2 groups of tiles); rows without outliers are base exactly."""
     rng = np.random.default_rng(sum(shape) + n)
     lo, hi = -0.75, 1.25
     x = _outliers(rng, shape, 0.03, lo, hi)
@@ -554,16 +555,18 @@ def test_decode_attention_against_numpy(native_kernels, d, heads, kv, cache, fla
     assert np.isnan(o[last]).all() and np.isfinite(o[:last]).all()
 
 
-@pytest.mark.parametrize("d,window,cache", [(32, 0, "float32"), (80, 0, "float32"), (32, 30, "float32"), (32, 0, "float16"), (80, 30, "float16")])
-def test_chunk_attention_against_numpy(native_kernels, d, window, cache):
+@pytest.mark.parametrize("d,window,cache,rows", [(32, 0, "float32", 21), (80, 0, "float32", 21), (32, 30, "float32", 21), (32, 0, "float16", 21),
+                                                (80, 30, "float16", 21), (80, 0, "float16", 57)])
+def test_chunk_attention_against_numpy(native_kernels, d, window, cache, rows):
     """DecodeAttention (and DecodeAttentionFloat16) at 21 rows (two blocks of positions, 3 query heads per KV head:
     row groups that end part-filled) after 70 cached positions (two blocks of keys): the rows land at their
     positions, each row attends causally to the positions up to its own (with a window, the last 30 of them), over
-    head sizes in whole blocks of 64 columns and not (80); a NaN in one row's query head makes that row and head NaN."""
+    head sizes in whole blocks of 64 columns and not (80); a NaN in one row's query head makes that row and head NaN.
+    57 rows of 80 columns: enough that blocks of the new rows are written to the caches on ONNX Runtime's pool."""
     from onnx import TensorProto, helper
     from onnx.helper import np_dtype_to_tensor_dtype
 
-    heads, kv, cap, p0, rows = 6, 2, 128, 70, 21
+    heads, kv, cap, p0 = 6, 2, 128, 70
     p = p0 + rows - 1
     vi = helper.make_tensor_value_info
     op, dtype = _CACHE_OPS[cache]

@@ -65,6 +65,19 @@ constexpr int64_t kShadowTasks = 16;  // ShadowCorrection's: row blocks times gr
 constexpr size_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
 constexpr int64_t kAttentionParallel = 1 << 15;  // attended positions x head size x heads below which one thread does it all
 
+// Rows of a [..., n] input in blocks of per rows (set here) over ONNX Runtime's threads (at most kTasks blocks),
+// or on this thread when small.
+void for_rows(Ort::KernelContext& ctx, void (*fn)(void*, size_t), void* job, int64_t rows, int64_t n, int64_t& per) {
+  if (rows == 0) return;  // (a chunk's rows that need logits may be none)
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(rows, kTasks));
+  per = (rows + tasks - 1) / tasks;
+  const size_t count = static_cast<size_t>((rows + per - 1) / per);
+  if (count > 1 && rows * n >= kAttentionParallel)
+    ctx.ParallelFor(fn, count, 0, job);
+  else
+    for (size_t t = 0; t < count; ++t) fn(job, t);
+}
+
 // The rows of a [..., n] tensor: the product of its leading dimensions.
 inline int64_t leading_rows(const std::vector<int64_t>& shape) {
   int64_t rows = 1;
@@ -95,6 +108,7 @@ inline void scan_scalar(const float* xr, int64_t c0, int64_t c1, float lo, float
   }
 }
 
+// Rows [0, rows) of x [rows, k]: their outliers into out (start indexed from x's first row).
 void find_outliers(const float* x, int64_t rows, int64_t k, float lo, float hi, Outliers& out) {
   out.start.assign(rows + 1, 0);
   out.channel.clear();
@@ -255,7 +269,13 @@ inline float load1(const uint16_t* p) { return half_to_float(*p); }
 
 template <typename W>
 struct Job {
+  // the rows' outliers, found before the tasks; or null, and each task finds its own rows' (x's, outside [lo, hi])
+  // into blocks[task], start indexed from its first row
   const Outliers* outliers;
+  Outliers* blocks;
+  const float* x;
+  int64_t k;
+  float lo, hi;
   const W* wt;
   const float* base;      // may be null
   const float* residual;  // may be null
@@ -264,53 +284,48 @@ struct Job {
   int64_t block_rows, group_tiles, groups;  // a task's rows and tiles (the last block's and group's may be fewer)
 };
 
-// Rows [r0, r1) of the output's columns [n0, n0 + NV * kNative): each row's outliers' weight-row slices,
+// Row r of the output's columns [n0, n0 + NV * kNative), its outliers row `at` of o: their weight-row slices,
 // scaled and summed in order of channel in NV vector registers, then added to base; the output is written once.
 template <int NV, typename W>
-void tile_rows(const Job<W>& job, int64_t r0, int64_t r1, int64_t n0) {
-  const Outliers& o = *job.outliers;
-  for (int64_t r = r0; r < r1; ++r) {
-    NVec acc[NV] = {};
-    for (int64_t i = o.start[r]; i < o.start[r + 1]; ++i) {
-      const NVec d = nsplat(o.excess[i]);
-      const W* wr = job.wt + static_cast<int64_t>(o.channel[i]) * job.n + n0;
+void tile_row(const Job<W>& job, const Outliers& o, int64_t at, int64_t r, int64_t n0) {
+  NVec acc[NV] = {};
+  for (int64_t i = o.start[at]; i < o.start[at + 1]; ++i) {
+    const NVec d = nsplat(o.excess[i]);
+    const W* wr = job.wt + static_cast<int64_t>(o.channel[i]) * job.n + n0;
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[v] += d * nload16(wr + v * kNative);
-    }
-    float* yr = job.y + r * job.n + n0;
-    if (job.residual != nullptr) {
-      const float* br = job.base + r * job.n + n0;
-      const float* rr = job.residual + r * job.n + n0;
+    for (int v = 0; v < NV; ++v) acc[v] += d * nload16(wr + v * kNative);
+  }
+  float* yr = job.y + r * job.n + n0;
+  if (job.residual != nullptr) {
+    const float* br = job.base + r * job.n + n0;
+    const float* rr = job.residual + r * job.n + n0;
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) nstore(yr + v * kNative, nload(rr + v * kNative) + (nload(br + v * kNative) + acc[v]));
-    } else if (job.base != nullptr) {
-      const float* br = job.base + r * job.n + n0;
+    for (int v = 0; v < NV; ++v) nstore(yr + v * kNative, nload(rr + v * kNative) + (nload(br + v * kNative) + acc[v]));
+  } else if (job.base != nullptr) {
+    const float* br = job.base + r * job.n + n0;
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) nstore(yr + v * kNative, nload(br + v * kNative) + acc[v]);
-    } else {
+    for (int v = 0; v < NV; ++v) nstore(yr + v * kNative, nload(br + v * kNative) + acc[v]);
+  } else {
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) nstore(yr + v * kNative, acc[v]);
-    }
+    for (int v = 0; v < NV; ++v) nstore(yr + v * kNative, acc[v]);
   }
 }
 
 template <typename W, int... NV>
 constexpr auto tile_kernels(std::integer_sequence<int, NV...>) {
-  return std::array<void (*)(const Job<W>&, int64_t, int64_t, int64_t), sizeof...(NV)>{&tile_rows<NV + 1, W>...};
+  return std::array<void (*)(const Job<W>&, const Outliers&, int64_t, int64_t, int64_t), sizeof...(NV)>{&tile_row<NV + 1, W>...};
 }
 
-// Rows [r0, r1) of columns [n0, n1), one at a time (the columns past the last whole vector of a row).
+// Row r's columns [n0, n1), one at a time (those past the last whole vector of a row), its outliers row `at` of o.
 template <typename W>
-void tail_rows(const Job<W>& job, int64_t r0, int64_t r1, int64_t n0, int64_t n1) {
-  const Outliers& o = *job.outliers;
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t j = n0; j < n1; ++j) {
-      float acc = 0.0f;
-      for (int64_t i = o.start[r]; i < o.start[r + 1]; ++i) acc += o.excess[i] * load1(job.wt + static_cast<int64_t>(o.channel[i]) * job.n + j);
-      const int64_t at = r * job.n + j;
-      const float y = job.base != nullptr ? job.base[at] + acc : acc;  // the correction added to base, then to the residual
-      job.y[at] = job.residual != nullptr ? job.residual[at] + y : y;
-    }
+void tail_row(const Job<W>& job, const Outliers& o, int64_t at, int64_t r, int64_t n0, int64_t n1) {
+  for (int64_t j = n0; j < n1; ++j) {
+    float acc = 0.0f;
+    for (int64_t i = o.start[at]; i < o.start[at + 1]; ++i) acc += o.excess[i] * load1(job.wt + static_cast<int64_t>(o.channel[i]) * job.n + j);
+    const int64_t e = r * job.n + j;
+    const float y = job.base != nullptr ? job.base[e] + acc : acc;  // the correction added to base, then to the residual
+    job.y[e] = job.residual != nullptr ? job.residual[e] + y : y;
+  }
 }
 
 // Task t: the rows of row block t / groups, the columns of tile group t % groups; a row at a time, its tiles in
@@ -322,17 +337,27 @@ void run_task(void* data, size_t t) {
   const int64_t block = static_cast<int64_t>(t) / job.groups, group = static_cast<int64_t>(t) % job.groups;
   const int64_t r0 = block * job.block_rows, r1 = std::min(job.rows, r0 + job.block_rows);
   const int64_t t0 = group * job.group_tiles, t1 = std::min(job.tiles, t0 + job.group_tiles);
+  const Outliers* o = job.outliers;
+  int64_t first = 0;  // the row that o's start indexes from
+  if (o == nullptr) {  // the task's rows' outliers, found here (by each of the row block's tasks)
+    find_outliers(job.x + r0 * job.k, r1 - r0, job.k, job.lo, job.hi, job.blocks[t]);
+    o = &job.blocks[t];
+    first = r0;
+  }
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t tile = t0; tile < t1; ++tile) {
       const int64_t n0 = tile * job.width, n1 = std::min(job.n, n0 + job.width), vecs = (n1 - n0) / kNative;
-      if (vecs > 0) kernels[vecs - 1](job, r, r + 1, n0);
-      if (n0 + vecs * kNative < n1) tail_rows(job, r, r + 1, n0 + vecs * kNative, n1);
+      if (vecs > 0) kernels[vecs - 1](job, *o, r - first, r, n0);
+      if (n0 + vecs * kNative < n1) tail_row(job, *o, r - first, r, n0 + vecs * kNative, n1);
     }
 }
 
+// y = residual + (base + (x - clip(x, lo, hi)) @ wt) for x [rows, k]: outliers holds x's outliers, found before; or,
+// when it is null, each task finds its own rows' (a chunk's; no serial scan before the tasks, which read 256 rows of
+// 1,536 on one thread while the others waited), or, for fewer than kShadowTasks rows, they are found here first.
 template <typename W>
-void correct(Ort::KernelContext& ctx, const Outliers& outliers, const W* wt, const float* base, const float* residual, float* y, int64_t rows,
-             int64_t n) {
+void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, int64_t k, float lo, float hi, const W* wt, const float* base,
+             const float* residual, float* y, int64_t rows, int64_t n) {
   if (rows == 0 || n == 0) return;  // an empty result
   // columns in as few tiles of at most kTile as there can be, of even widths (whole vectors but the last's end)
   const int64_t most = (n + kTile - 1) / kTile;
@@ -343,9 +368,18 @@ void correct(Ort::KernelContext& ctx, const Outliers& outliers, const W* wt, con
   const int64_t block_rows = (rows + kShadowTasks - 1) / kShadowTasks, row_blocks = (rows + block_rows - 1) / block_rows;
   const int64_t want = std::min(tiles, (kShadowTasks + row_blocks - 1) / row_blocks);
   const int64_t group_tiles = (tiles + want - 1) / want, groups = (tiles + group_tiles - 1) / group_tiles;
-  Job<W> job{&outliers, wt, base, residual, y, rows, n, tiles, width, block_rows, group_tiles, groups};
   const size_t tasks = static_cast<size_t>(row_blocks * groups);
-  if (tasks > 1 && outliers.channel.size() * static_cast<size_t>(n) >= kParallelWork)
+  thread_local Outliers found;             // the caller's: a few rows' outliers
+  thread_local std::vector<Outliers> own;  // the caller's: each task's outliers, where the tasks find them
+  if (outliers == nullptr && rows < kShadowTasks) {  // a few rows (the prompt's last, say): found first, and their count decides the threads
+    find_outliers(x, rows, k, lo, hi, found);
+    outliers = &found;
+  }
+  if (outliers == nullptr && own.size() < tasks) own.resize(tasks);
+  Job<W> job{outliers, outliers == nullptr ? own.data() : nullptr, x, k, lo, hi, wt, base, residual, y, rows, n, tiles, width, block_rows,
+             group_tiles, groups};
+  const size_t work = outliers != nullptr ? outliers->channel.size() * static_cast<size_t>(n) : static_cast<size_t>(rows * (k + n));
+  if (tasks > 1 && work >= kParallelWork)
     ctx.ParallelFor(run_task<W>, tasks, 0, &job);
   else
     for (size_t t = 0; t < tasks; ++t) run_task<W>(&job, t);
@@ -392,13 +426,12 @@ struct ShadowKernel {
       residual = b.GetTensorData<float>();
     }
     Ort::UnownedValue y = ctx.GetOutput(0, ys.data(), ys.size());
-    Outliers outliers;
-    find_outliers(x.GetTensorData<float>(), rows, k, lo, hi, outliers);
     float* out = y.GetTensorMutableData<float>();
+    const float* xd = x.GetTensorData<float>();
     if (wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-      correct(ctx, outliers, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), base, residual, out, rows, n);
+      correct(ctx, nullptr, xd, k, lo, hi, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), base, residual, out, rows, n);
     else
-      correct(ctx, outliers, wt.GetTensorData<float>(), base, residual, out, rows, n);
+      correct(ctx, nullptr, xd, k, lo, hi, wt.GetTensorData<float>(), base, residual, out, rows, n);
   }
 };
 
@@ -978,6 +1011,57 @@ void attend_chunk(void* data, size_t t) {
   }
 }
 
+// The new rows of an attention call, rows [t * per, (t + 1) * per) of task t: each row's query (rotated, and times
+// K's scales for an int8 cache) into q, its key (rotated) and value into the caches at its position p0 + r.
+template <typename T>
+struct RowsJob {
+  const float *qsrc, *ksrc, *vsrc;
+  int64_t rows, width, kvstride, heads, kv_heads, d, c, p0;
+  const float *cos, *sin;  // [positions, d / 2], or null without rotary
+  const float *k_scale, *v_scale;  // an int8 cache's, else null
+  float* q;                         // [rows, heads * d]
+  T *kc, *vc;                       // [kv_heads, c, d]
+  int64_t per;
+};
+
+template <typename T>
+void new_rows(void* data, size_t t) {
+  const RowsJob<T>& job = *static_cast<const RowsJob<T>*>(data);
+  const int64_t d = job.d, hd = job.heads * d, kvd = job.kv_heads * d;
+  thread_local std::vector<float> k;  // a row's key, rotated
+  grow(k, kvd);
+  for (int64_t r = static_cast<int64_t>(t) * job.per, end = std::min(job.rows, r + job.per); r < end; ++r) {
+    float* qr = job.q + r * hd;
+    std::copy(job.qsrc + r * job.width, job.qsrc + r * job.width + hd, qr);
+    std::copy(job.ksrc + r * job.kvstride, job.ksrc + r * job.kvstride + kvd, k.begin());
+    if (job.cos != nullptr) {
+      const float* cos = job.cos + (job.p0 + r) * (d / 2);
+      const float* sin = job.sin + (job.p0 + r) * (d / 2);
+      rotate(qr, job.heads, d, cos, sin);
+      rotate(k.data(), job.kv_heads, d, cos, sin);
+    }
+    const float* vr = job.vsrc + r * job.kvstride;
+    for (int64_t i = 0; i < kvd; ++i) {  // the row's K and V, at position p0 + r of each KV head
+      T* kd = job.kc + ((i / d) * job.c + job.p0 + r) * d + i % d;
+      T* vd = job.vc + ((i / d) * job.c + job.p0 + r) * d + i % d;
+      const float kx = k[i], vx = vr[i];
+      if constexpr (std::is_same_v<T, int8_t>) {
+        *kd = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(kx / job.k_scale[i]))));
+        *vd = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(vx / job.v_scale[i]))));
+      } else if constexpr (std::is_same_v<T, uint16_t>) {
+        *kd = float_to_half(kx);
+        *vd = float_to_half(vx);
+      } else {
+        *kd = kx;
+        *vd = vx;
+      }
+    }
+    if constexpr (std::is_same_v<T, int8_t>)  // q . (codes * scale) = (q * scale) . codes
+      for (int64_t h = 0; h < job.heads; ++h)
+        for (int64_t j = 0; j < d; ++j) qr[h * d + j] *= job.k_scale[(h / (job.heads / job.kv_heads)) * d + j];
+  }
+}
+
 // T: the caches' element type, float (DecodeAttention), float16 (DecodeAttentionFloat16, its bits as uint16_t: a
 // stored row is the nearest half, ties to even, as numpy's astype) or int8 codes with per-channel scales, inputs 9
 // and 10 [1, KV, 1, D] (DecodeAttentionInt8: a stored row is clip(rint(x / scale), -128, 127), as the runtime's
@@ -1027,25 +1111,10 @@ struct AttentionKernel {
     const float* ksrc = packed ? qsrc + hd : ctx.GetInput(1).GetTensorData<float>();
     const float* vsrc = packed ? qsrc + hd + kvd : ctx.GetInput(2).GetTensorData<float>();
     const int64_t kvstride = packed ? width : kvd;  // between one row's key (value) and the next's
-    thread_local std::vector<float> q, k, m, l, o;  // this thread's buffers, kept across calls (grown, never shrunk)
-    grow(q, rows * hd);
-    grow(k, rows * kvd);
-    for (int64_t r = 0; r < rows; ++r) {
-      std::copy(qsrc + r * width, qsrc + r * width + hd, q.begin() + r * hd);
-      std::copy(ksrc + r * kvstride, ksrc + r * kvstride + kvd, k.begin() + r * kvd);
-    }
-    if (rotary != 0) {
-      if (!present(7) || !present(8) || ctx.GetInput(7).GetTensorTypeAndShapeInfo().GetElementCount() < (p + 1) * (d / 2) ||
-          ctx.GetInput(8).GetTensorTypeAndShapeInfo().GetElementCount() < (p + 1) * (d / 2))
-        throw Ort::Exception("DecodeAttention: do_rotary needs cos_cache and sin_cache [positions, head_size / 2] past seqlens_k",
-                             ORT_INVALID_ARGUMENT);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* cos = ctx.GetInput(7).GetTensorData<float>() + (p0 + r) * (d / 2);
-        const float* sin = ctx.GetInput(8).GetTensorData<float>() + (p0 + r) * (d / 2);
-        rotate(q.data() + r * hd, heads, d, cos, sin);
-        rotate(k.data() + r * kvd, kv_heads, d, cos, sin);
-      }
-    }
+    if (rotary != 0 && (!present(7) || !present(8) || ctx.GetInput(7).GetTensorTypeAndShapeInfo().GetElementCount() < (p + 1) * (d / 2) ||
+                        ctx.GetInput(8).GetTensorTypeAndShapeInfo().GetElementCount() < (p + 1) * (d / 2)))
+      throw Ort::Exception("DecodeAttention: do_rotary needs cos_cache and sin_cache [positions, head_size / 2] past seqlens_k",
+                           ORT_INVALID_ARGUMENT);
     const float* k_scale = nullptr;
     const float* v_scale = nullptr;
     if constexpr (std::is_same_v<T, int8_t>) {
@@ -1061,26 +1130,14 @@ struct AttentionKernel {
     const size_t cache_size = static_cast<size_t>(kvd * c);
     if (kc != past_k.GetTensorData<T>()) std::copy(past_k.GetTensorData<T>(), past_k.GetTensorData<T>() + cache_size, kc);
     if (vc != past_v.GetTensorData<T>()) std::copy(past_v.GetTensorData<T>(), past_v.GetTensorData<T>() + cache_size, vc);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < kvd; ++i) {  // the rows' K and V, at positions p0 + r of each KV head
-        T* kd = kc + ((i / d) * c + p0 + r) * d + i % d;
-        T* vd = vc + ((i / d) * c + p0 + r) * d + i % d;
-        const float kx = k[r * kvd + i], vx = vsrc[r * kvstride + i];
-        if constexpr (std::is_same_v<T, int8_t>) {
-          *kd = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(kx / k_scale[i]))));
-          *vd = static_cast<int8_t>(std::min(127.0f, std::max(-128.0f, std::nearbyint(vx / v_scale[i]))));
-        } else if constexpr (std::is_same_v<T, uint16_t>) {
-          *kd = float_to_half(kx);
-          *vd = float_to_half(vx);
-        } else {
-          *kd = kx;
-          *vd = vx;
-        }
-      }
-    if constexpr (std::is_same_v<T, int8_t>)  // q . (codes * scale) = (q * scale) . codes
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t h = 0; h < heads; ++h)
-          for (int64_t j = 0; j < d; ++j) q[r * hd + h * d + j] *= k_scale[(h / (heads / kv_heads)) * d + j];
+    thread_local std::vector<float> q, m, l, o;  // this thread's buffers, kept across calls (grown, never shrunk)
+    grow(q, rows * hd);
+    // the rows' queries (rotated; times K's scales for an int8 cache) into q, their keys (rotated) and values into the
+    // caches: blocks of rows on ONNX Runtime's threads (a chunk's)
+    RowsJob<T> prep{qsrc, ksrc, vsrc, rows, width, kvstride, heads, kv_heads, d, c, p0,
+                    rotary != 0 ? ctx.GetInput(7).GetTensorData<float>() : nullptr, rotary != 0 ? ctx.GetInput(8).GetTensorData<float>() : nullptr,
+                    k_scale, v_scale, q.data(), kc, vc, 0};
+    for_rows(ctx, new_rows<T>, &prep, rows, hd + 2 * kvd, prep.per);
     if (rows > 1) {
       const int64_t qblocks = (rows + kQueryBlock - 1) / kQueryBlock;
       ChunkJob<T> job{q.data(), kc, vc, v_scale, out.GetTensorMutableData<float>(), heads, heads / kv_heads, c, d, p0, rows, window, qblocks, scale};
@@ -1257,19 +1314,6 @@ void swiglu_rows(void* data, size_t t) {
     swiglu_row(x + job.gate, x + job.up, job.width, y);
     if (job.codes != nullptr) quantize_row(y, job.width, job.quant, job.codes + r * job.width);
   }
-}
-
-// Rows of a [..., n] input in blocks of per rows (set here) over ONNX Runtime's threads (at most kTasks blocks),
-// or on this thread when small.
-void for_rows(Ort::KernelContext& ctx, void (*fn)(void*, size_t), void* job, int64_t rows, int64_t n, int64_t& per) {
-  if (rows == 0) return;  // (a chunk's rows that need logits may be none)
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(rows, kTasks));
-  per = (rows + tasks - 1) / tasks;
-  const size_t count = static_cast<size_t>((rows + per - 1) / per);
-  if (count > 1 && rows * n >= kAttentionParallel)
-    ctx.ParallelFor(fn, count, 0, job);
-  else
-    for (size_t t = 0; t < count; ++t) fn(job, t);
 }
 
 struct SwigluKernel {
@@ -2009,9 +2053,9 @@ struct W8Kernel {
       if (!outliers.channel.empty() || residual != nullptr) {
         Ort::ConstValue wt{wt_value};
         if (wt_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-          correct(ctx, outliers, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), out, residual, out, rows, n);
+          correct(ctx, &outliers, xs, k, lo, hi, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), out, residual, out, rows, n);
         else
-          correct(ctx, outliers, wt.GetTensorData<float>(), out, residual, out, rows, n);
+          correct(ctx, &outliers, xs, k, lo, hi, wt.GetTensorData<float>(), out, residual, out, rows, n);
       }
     } else if (residual != nullptr) {
       for (int64_t i = 0; i < rows * n; ++i) out[i] = residual[i] + out[i];
