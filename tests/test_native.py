@@ -555,6 +555,53 @@ def test_decode_attention_against_numpy(native_kernels, d, heads, kv, cache, fla
     assert np.isnan(o[last]).all() and np.isfinite(o[:last]).all()
 
 
+@pytest.mark.parametrize("cache", ["int8", "float16"])
+def test_chunk_rows_enter_the_cache_as_single_rows_do(native_kernels, cache):
+    """A chunk's new rows, rotated and written into the caches in blocks on ONNX Runtime's pool (57 rows of 6 + 2 x 2
+    heads of 80 columns), land in the caches bit for bit as the same rows sent one at a time (the decode path) put
+    them, and the chunk's outputs match the single rows' (an int8 cache: queries times K's scales, codes of
+    rint(x / scale))."""
+    from onnx import TensorProto, helper
+    from onnx.helper import np_dtype_to_tensor_dtype
+
+    heads, kv, d, cap, p0, rows = 6, 2, 80, 128, 9, 57
+    op, dtype = _CACHE_OPS[cache]
+    ct = np_dtype_to_tensor_dtype(np.dtype(dtype))
+    vi = helper.make_tensor_value_info
+    int8 = cache == "int8"
+    names = ["q", "k", "v", "pk", "pv", "seqlens", "total", "cos", "sin"] + (["ks", "vs"] if int8 else [])
+    inputs = [vi("q", TensorProto.FLOAT, [1, None, heads * d]), vi("k", TensorProto.FLOAT, [1, None, kv * d]),
+              vi("v", TensorProto.FLOAT, [1, None, kv * d]), vi("pk", ct, [1, kv, cap, d]), vi("pv", ct, [1, kv, cap, d]),
+              vi("seqlens", TensorProto.INT32, [1]), vi("total", TensorProto.INT32, []),
+              vi("cos", TensorProto.FLOAT, [cap, d // 2]), vi("sin", TensorProto.FLOAT, [cap, d // 2])]
+    if int8:
+        inputs += [vi("ks", TensorProto.FLOAT, [1, kv, 1, d]), vi("vs", TensorProto.FLOAT, [1, kv, 1, d])]
+    node = helper.make_node(op, names, ["o", "ck", "cv"], domain="ai.llmc", num_heads=heads, kv_num_heads=kv, scale=0.1, do_rotary=1)
+    g = helper.make_graph([node], "g", inputs, [vi("o", TensorProto.FLOAT, None), vi("ck", ct, None), vi("cv", ct, None)])
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    rng = np.random.default_rng(57)
+    q, k, v = (rng.standard_normal((1, rows, n * d)).astype(np.float32) for n in (heads, kv, kv))
+    angles = np.arange(cap)[:, None] * 10000.0 ** (-np.arange(d // 2) / (d // 2))
+    past = np.clip(np.rint(rng.standard_normal((1, kv, cap, d)) * 40), -128, 127) if int8 else rng.standard_normal((1, kv, cap, d))
+    fixed = {"cos": np.cos(angles).astype(np.float32), "sin": np.sin(angles).astype(np.float32)}
+    if int8:
+        fixed.update(ks=rng.uniform(0.01, 0.03, (1, kv, 1, d)).astype(np.float32), vs=rng.uniform(0.01, 0.03, (1, kv, 1, d)).astype(np.float32))
+    pk0, pv0 = past.astype(dtype), past[:, :, ::-1].astype(dtype)
+
+    def run(i0, i1, pk, pv):
+        return sess.run(None, {**fixed, "q": q[:, i0:i1], "k": k[:, i0:i1], "v": v[:, i0:i1], "pk": pk, "pv": pv,
+                               "seqlens": np.array([p0 + i1 - 1], np.int32), "total": np.array(p0 + i1, np.int32)})
+
+    o, ck, cv = run(0, rows, pk0, pv0)
+    pk, pv, singles = pk0, pv0, []
+    for i in range(rows):
+        out, pk, pv = run(i, i + 1, pk, pv)
+        singles.append(out[0, 0])
+    np.testing.assert_array_equal(ck, pk)
+    np.testing.assert_array_equal(cv, pv)
+    np.testing.assert_allclose(o[0], np.stack(singles), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("d,window,cache,rows", [(32, 0, "float32", 21), (80, 0, "float32", 21), (32, 30, "float32", 21), (32, 0, "float16", 21),
                                                 (80, 30, "float16", 21), (80, 0, "float16", 57)])
 def test_chunk_attention_against_numpy(native_kernels, d, window, cache, rows):

@@ -12,13 +12,14 @@
 // has an outlier in and multiplies densely; this kernel visits each row's own outliers only:
 // R * k * N multiply-adds for k outliers a row, instead of R * M * N for a block's union of M.
 //
-// A row's outliers are found 16 entries at a time (a mask of compares, with AVX-512). The work is then
-// split into tasks, a block of rows by a group of column tiles (at most kTile columns each, the tiles of a
-// row of even widths in whole vectors), run on ONNX Runtime's intra-op threads. A task takes its rows one at
-// a time and each row's tiles in turn: a tile sums the row's outliers' weight-row slices in order of channel
-// in vector registers, then adds base, so the output is written once and each row's base, residual and
-// output are read and written in address order; the weight rows of a block's outlier channels tend to stay
-// in cache across its rows. (Tasks of a column tile by a block of rows, visiting each row in slices of kTile
+// The work is split into tasks, a block of rows by a group of column tiles (at most kTile columns each, the
+// tiles of a row of even widths in whole vectors), run on ONNX Runtime's intra-op threads. A task first finds
+// its rows' outliers, 16 entries at a time (a mask of compares, with AVX-512), so that no thread scans a chunk's
+// rows while the others wait (a few rows are scanned before the tasks, their outlier count deciding the threads).
+// It then takes its rows one at a time and each row's tiles in turn: a tile sums the row's outliers' weight-row
+// slices in order of channel in vector registers, then adds base, so the output is written once and each row's
+// base, residual and output are read and written in address order; the weight rows of a block's outlier
+// channels tend to stay in cache across its rows. (Tasks of a column tile by a block of rows, visiting each row in slices of kTile
 // columns, spent 25-40% more time on a 512-token prefill.) A NaN entry of x is an outlier (its excess is NaN),
 // as in the graph form.
 //
@@ -62,7 +63,7 @@ constexpr int64_t kScan = 64;  // x entries tested at once for an outlier withou
 constexpr int64_t kMaskLanes = 16;  // entries compared to a mask at once: with AVX-512 16, with AVX 8
 constexpr int64_t kTasks = 8;  // tasks to aim for (the row-blocked ops)
 constexpr int64_t kShadowTasks = 16;  // ShadowCorrection's: row blocks times groups of column tiles
-constexpr size_t kParallelWork = 1 << 16;  // multiply-adds below which one thread does it all
+constexpr size_t kParallelWork = 1 << 16;  // multiply-adds (or their estimate) below which one thread does it all
 constexpr int64_t kAttentionParallel = 1 << 15;  // attended positions x head size x heads below which one thread does it all
 
 // Rows of a [..., n] input in blocks of per rows (set here) over ONNX Runtime's threads (at most kTasks blocks),
@@ -378,7 +379,10 @@ void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, 
   if (outliers == nullptr && own.size() < tasks) own.resize(tasks);
   Job<W> job{outliers, outliers == nullptr ? own.data() : nullptr, x, k, lo, hi, wt, base, residual, y, rows, n, tiles, width, block_rows,
              group_tiles, groups};
-  const size_t work = outliers != nullptr ? outliers->channel.size() * static_cast<size_t>(n) : static_cast<size_t>(rows * (k + n));
+  // the correction's multiply-adds, or, before the outliers are found, their estimate: about 1% of x's entries
+  // (calibration's clip at the 99th percentile), and a row's read of x and write of y
+  const size_t work = outliers != nullptr ? outliers->channel.size() * static_cast<size_t>(n)
+                                          : static_cast<size_t>(rows * (k + n * (k / 100 + 1)));
   if (tasks > 1 && work >= kParallelWork)
     ctx.ParallelFor(run_task<W>, tasks, 0, &job);
   else
