@@ -19,9 +19,9 @@
 // It then takes its rows one at a time and each row's tiles in turn: a tile sums the row's outliers' weight-row
 // slices in order of channel in vector registers, then adds base, so the output is written once and each row's
 // base, residual and output are read and written in address order; the weight rows of a block's outlier
-// channels tend to stay in cache across its rows. (Tasks of a column tile by a block of rows, visiting each row in slices of kTile
-// columns, spent 25-40% more time on a 512-token prefill.) A NaN entry of x is an outlier (its excess is NaN),
-// as in the graph form.
+// channels tend to stay in cache across its rows. (Tasks of a column tile by a block of rows, visiting each row
+// in slices of kTile columns, spent 25-40% more time on a 512-token prefill.) A NaN entry of x is an outlier
+// (its excess is NaN), as in the graph form.
 //
 // Built by `llmc kernels build` (llmc.runtime.native) against ONNX Runtime's C/C++ API headers;
 // it calls ONNX Runtime only through the API table it is registered with, so it links to no
