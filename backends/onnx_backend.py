@@ -266,6 +266,8 @@ class _Builder:
         elif n.op == "Mul" and (fused := self.swiglu(n)) is not None:
             if self.gated_in_projection(n):
                 return  # the W8A8MatMul that reads its result computes it (see swiglu_inside)
+            if self.swiglu_in_correction(n):
+                return  # the gate/up projection's ShadowCorrection computes it (see swiglu_after)
             _, whole, gate, up, width = fused
             quant = self.quantized_by(n.outputs[0])
             codes = {} if quant is None else {"scale": quant[0], "zero_point": quant[1]}
@@ -545,6 +547,8 @@ class _Builder:
                                        residual[1] if residual is not None else None)
             elif residual is not None:  # the block's residual Add too: out is the Add's result
                 self.native_op(n, x[0], [base, residual[1]], residual[0].outputs[0].name)
+            elif (mul := self.swiglu_after(n)) is not None:  # the SwiGLU after it too: its halves are never written
+                self.native_op(n, x[0], [base], out, swiglu=mul)
             elif self.native:
                 self.native_op(n, x[0], [base], out)
             else:
@@ -567,14 +571,56 @@ class _Builder:
         for i, (ys, out) in enumerate(zip(x[1:], y)):
             self.add("Add", [ys, parts[i]], [out], f"{p}.add{i}")
 
-    def native_op(self, n: Node, x: str, base: list[str], out: str) -> None:
+    def native_op(self, n: Node, x: str, base: list[str], out: str, swiglu: Node | None = None) -> None:
         """``out = base + (x - clip(x)) @ W^T`` (no base: the correction alone; base and a residual: that added
         too, see :meth:`residual_add`) as llmc's native op ``ShadowCorrection`` (:mod:`llmc.runtime.native`):
         one op at any row count, visiting each row's own outliers where the stock ops take a block's union of
-        outlier channels."""
+        outlier channels. With ``swiglu`` (:meth:`swiglu_after`) the op's outputs are that SwiGLU's result and
+        its codes instead of ``out``."""
         a = n.attrs
-        self.add("ShadowCorrection", [x, self.weight(n.weights["weight_t"]), *base], [out], f"{n.name}.native", domain=NATIVE_DOMAIN,
-                 lo=float(a["lo"]), hi=float(a["hi"]))
+        outs, extra = [out], {}
+        if swiglu is not None:
+            _, _, gate, up, width = self.swiglu(swiglu)
+            v = swiglu.outputs[0]
+            outs, extra = [v.name], {"gate": gate, "up": up, "width": width}
+            if (quant := self.quantized_by(v)) is not None:
+                outs.append(self.codes_of(v))
+                extra.update(scale=quant[0], zero_point=quant[1])
+        self.add("ShadowCorrection", [x, self.weight(n.weights["weight_t"]), *base], outs, f"{n.name}.native", domain=NATIVE_DOMAIN,
+                 lo=float(a["lo"]), hi=float(a["hi"]), **extra)
+
+    def swiglu_after(self, shadow: Node) -> Node | None:
+        """The :meth:`swiglu` Mul that the native correction ``shadow`` computes as well (ShadowCorrection's gate, up
+        and width attributes), so that the corrected gate/up projection is never written out: ``shadow`` corrects
+        that projection whole (its one result, or its halves, :meth:`whole_source`) with no residual or projection
+        joining it, only that SwiGLU reads the halves, and the SwiGLU is an op of this graph (not inside a
+        ``W8A8MatMul``); else None."""
+        if not self.native or self.residual_add(shadow) is not None or self.fused_projection(shadow) is not None:
+            return None
+        v = shadow.outputs[0]
+        if self.whole_source(shadow) is not None:
+            whole, halves = whole_name(shadow), list(shadow.outputs)
+        elif (len(shadow.outputs) == 1 and v.uses and v.name not in self.sub.outputs
+              and all(u.op == "Slice" and u.name in self.members for u, _ in v.uses)):
+            whole, halves = v.name, [u.outputs[0] for u, _ in v.uses]
+        else:
+            return None
+        if not all(self.drops(h) for h in halves):
+            return None
+        muls = {id(m): m for h in halves for u, _ in h.uses for m in ([u] if u.op == "Mul" else [w for w, _ in u.outputs[0].uses])}
+        mul = next(iter(muls.values())) if len(muls) == 1 else None
+        if mul is None or mul.name not in self.members or (fused := self.swiglu(mul)) is None:
+            return None
+        return mul if fused[1] == whole and not self.gated_in_projection(mul) else None
+
+    def swiglu_in_correction(self, mul: Node) -> bool:
+        """Whether the :meth:`swiglu` ``mul`` is computed by the correction of its gate/up projection
+        (:meth:`swiglu_after`)."""
+        act = self.swiglu(mul)
+        p = act[0].inputs[0].producer if act is not None else None
+        if p is not None and p.op == "Slice":  # a half sliced from the correction's one result
+            p = p.inputs[0].producer
+        return p is not None and p.op == "ShadowOutliers" and p.name in self.members and self.swiglu_after(p) is mul
 
     def shadow_correction(self, n: Node, x: str) -> None:
         """``{name}.corr = (x - clip(x)) @ W^T`` over the outlier channels, all of the correction's columns."""

@@ -176,10 +176,13 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
     npu_graphs = [g for g, e in m["graphs"].items() if e["placement"] == "npu"]
     assert npu_graphs and not any(op.startswith(("ShadowCorrection", "DecodeAttention", "SwiGLU"))
                                   for g, ops in native_ops.items() if g.rsplit(".r", 1)[0] in npu_graphs for op in ops)
-    # the MLP's activation straight from the corrected gate/up projection, no Slice of it nor Sigmoid: in a chunk llmc's
-    # SwiGLU, at one row inside the down projection's W8A8MatMul (its gate and up attributes)
+    # the MLP's activation straight from the corrected gate/up projection, no Slice of it nor Sigmoid: in a chunk inside
+    # that projection's ShadowCorrection (SwiGLU's attributes; it writes the codes the down projection reads), at one
+    # row inside the down projection's W8A8MatMul (its gate and up attributes)
     decode, chunk = f"{m['decode_graph']}.r1", f"{m['decode_graph']}.r{CHUNK}"
-    assert "SwiGLU" in native_ops[chunk] and not {"Sigmoid", "Slice"} & native_ops[decode]
+    assert not {"SwiGLU", "Sigmoid", "Slice"} & (native_ops[chunk] | native_ops[decode])
+    gated = [n for n in _nodes(npu_pair["native"], chunk) if n.op_type == "ShadowCorrection" and {"gate", "up", "width"} <= {a.name for a in n.attribute}]
+    assert gated and all(len(n.output) == 2 and n.output[1].endswith(".codes") for n in gated)
     assert "Sigmoid" in stock_ops[decode] and "SwiGLU" not in stock_ops[decode]
     assert not any("ShadowCorrection" in ops for ops in stock_ops.values())
     # in the decode graph each projection is one W8A8MatMul: its quantization, correction, the norm before it and the
@@ -1150,6 +1153,64 @@ def test_shadow_correction_adds_a_residual(native_kernels):
     sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
     with pytest.raises((InvalidArgument, Fail, RuntimeException), match="residual must come with base"):
         sess.run(None, {"x": x, "res": res})
+
+
+@pytest.mark.parametrize("rows,wtype,codes", [(57, np.float16, True), (256, np.float32, True), (1, np.float16, True), (7, np.float32, False)])
+def test_shadow_correction_with_swiglu_is_correction_then_swiglu(native_kernels, rows, wtype, codes):
+    """With SwiGLU's attributes ShadowCorrection's outputs are, bit for bit, what ShadowCorrection and then SwiGLU
+    compute (the result, and its codes): a gate/up projection's correction and its activation as one op, at a chunk's
+    rows (row blocks on the pool), one row, and a few rows on one task each; gate after up in the columns too."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(rows)
+    k, width, lo, hi, scale, zp = 96, 136, -1.0, 1.0, 0.01, 128
+    n = 2 * width + 8  # columns past the gate and up halves, which SwiGLU does not read
+    gate, up = width + 8, 0
+    wt = (rng.standard_normal((k, n)) * 0.5).astype(wtype)
+    vi = helper.make_tensor_value_info
+    q = {"scale": scale, "zero_point": zp} if codes else {}
+    outs = ["h", "hq"] if codes else ["h"]
+    fused = helper.make_node("ShadowCorrection", ["x", "wt", "base"], outs, domain="ai.llmc", lo=lo, hi=hi, gate=gate, up=up, width=width, **q)
+    corr = helper.make_node("ShadowCorrection", ["x", "wt", "base"], ["y"], domain="ai.llmc", lo=lo, hi=hi)
+    act = helper.make_node("SwiGLU", ["y"], [f"s{o}" for o in outs], domain="ai.llmc", gate=gate, up=up, width=width, **q)
+    ins = [vi("x", TensorProto.FLOAT, [rows, k]), vi("base", TensorProto.FLOAT, [rows, n])]
+    results = [vi(o, TensorProto.UINT8 if o.endswith("q") else TensorProto.FLOAT, None) for o in outs + [f"s{o}" for o in outs]]
+    g = helper.make_graph([fused, corr, act], "g", ins, results, [numpy_helper.from_array(wt, "wt")])
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    x = _outliers(rng, (rows, k), 0.03, lo, hi)
+    base = (rng.standard_normal((rows, n)) * 2).astype(np.float32)
+    got = sess.run(None, {"x": x, "base": base})
+    half = len(outs)
+    for a, b in zip(got[:half], got[half:]):
+        np.testing.assert_array_equal(a, b)
+    assert got[0].shape == (rows, width) and np.abs(got[0]).max() > 0.5
+    if codes:
+        assert len(np.unique(got[1])) > 20
+
+
+def test_shadow_correction_with_swiglu_checks_its_attributes(native_kernels):
+    """SwiGLU's attributes on ShadowCorrection come together and lie inside wt's columns; codes need them."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    wt = np.ones((8, 20), np.float32)
+    vi = helper.make_tensor_value_info
+
+    def run(outs, **attrs):
+        node = helper.make_node("ShadowCorrection", ["x", "wt"], outs, domain="ai.llmc", lo=-1.0, hi=1.0, **attrs)
+        g = helper.make_graph([node], "g", [vi("x", TensorProto.FLOAT, [2, 8])], [vi(o, TensorProto.FLOAT if o == "y" else TensorProto.UINT8, None) for o in outs],
+                              [numpy_helper.from_array(wt, "wt")])
+        sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+        return sess.run(None, {"x": np.zeros((2, 8), np.float32)})
+
+    errors = (InvalidArgument, Fail, RuntimeException)
+    with pytest.raises(errors, match="gate, up and width come together"):
+        run(["y"], gate=0, up=10)
+    with pytest.raises(errors, match="codes output needs SwiGLU's attributes"):
+        run(["y", "q"], scale=0.1, zero_point=128)
+    with pytest.raises(errors, match="must lie inside wt's N"):
+        run(["y"], gate=0, up=11, width=10)
+    assert run(["y"], gate=0, up=10, width=10)[0].shape == (2, 10)
 
 
 def test_inspect_and_bench_name_the_native_kernels(npu_pair, native_kernels):

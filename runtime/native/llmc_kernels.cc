@@ -1,11 +1,15 @@
 // llmc's native CPU kernels: an ONNX Runtime custom-op library (domain "ai.llmc"): ShadowCorrection,
 // DecodeAttention (and DecodeAttentionInt8, DecodeAttentionFloat16), SwiGLU, RMSNorm, BlockQMatMul and W8A8MatMul (below).
 //
-// ShadowCorrection(x[..., K], wt[K, N], base[..., N]?, residual[..., N]?; lo, hi) -> y[..., N]
+// ShadowCorrection(x[..., K], wt[K, N], base[..., N]?, residual[..., N]?; lo, hi, gate?, up?, width?, scale?, zero_point?)
+//   -> y[..., N] (with gate, up and width: y[..., width], codes[..., width]?)
 //
 //   y = residual + (base + (x - clip(x, lo, hi)) @ wt)
 //
 // (residual: the residual stream a block's last projection adds to, so that the add is not a pass of its own)
+// With SwiGLU's attributes (gate, up, width; scale and zero_point for a codes output) y is SwiGLU's of that result
+// (see SwiGLU below), computed from each row while it is in cache: a gated MLP's gate/up projection and its
+// activation as one op, the gate/up result never written out.
 // The float part of a W8A8 projection with shadow outliers: x's entries outside [lo, hi] are the
 // outliers, about 1% of a row, and each adds its excess times one row of the float weight table.
 // The graph-level form (llmc.backends.onnx_backend) gathers every channel that any row of a block
@@ -265,6 +269,77 @@ inline NVec nload16(const int8_t* p) {
 #endif
 }
 
+// An optional attribute, or fallback where it is absent. Through the C API, so that an absent one throws nothing
+// (AddressSanitizer's preloaded runtime, which the tests use, cannot intercept a C++ throw).
+template <typename V>
+V attribute_or(const Ort::ConstKernelInfo& ki, const char* name, V fallback) {
+  V value = fallback;
+  const OrtKernelInfo* info = ki;
+  OrtStatus* status;
+  if constexpr (std::is_same_v<V, float>)
+    status = Ort::GetApi().KernelInfoGetAttribute_float(info, name, &value);
+  else
+    status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &value);
+  if (status != nullptr) {
+    Ort::GetApi().ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
+}
+
+// The uint8 codes of a W8A8 projection's input, as ONNX QuantizeLinear computes them (see the quantized copies below).
+struct Quantizer {
+  float scale = 0.0f;
+  int32_t zero_point = 0;
+  bool on = false;  // whether the op has the codes output
+
+  // The codes output (output 1) of this shape, or null when the op has none.
+  uint8_t* output(Ort::KernelContext& ctx, const std::vector<int64_t>& shape) const {
+    return on ? ctx.GetOutput(1, shape.data(), shape.size()).GetTensorMutableData<uint8_t>() : nullptr;
+  }
+};
+
+Quantizer quantizer_of(const Ort::ConstKernelInfo& ki, const char* op) {
+  Quantizer q;
+  q.on = ki.GetOutputCount() > 1;
+  if (!q.on) return q;
+  q.scale = ki.GetAttribute<float>("scale");
+  q.zero_point = static_cast<int32_t>(ki.GetAttribute<int64_t>("zero_point"));
+  if (!(q.scale > 0.0f) || q.zero_point < 0 || q.zero_point > 255)
+    throw Ort::Exception(std::string(op) + ": codes need a positive scale and a zero_point in 0..255", ORT_INVALID_ARGUMENT);
+  return q;
+}
+
+void quantize_row(const float* y, int64_t n, const Quantizer& q, uint8_t* out) {
+  const float lo = static_cast<float>(-q.zero_point), hi = static_cast<float>(255 - q.zero_point);
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(q.scale), l = _mm512_set1_ps(lo), h = _mm512_set1_ps(hi);
+  const __m512i z = _mm512_set1_epi32(q.zero_point);
+  for (; j + 16 <= n; j += 16) {  // max/min return their second operand for a NaN: lo, then 0
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(y + j), s), l), h);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), z)));
+  }
+#elif defined(__AVX2__)
+  const __m256 s = _mm256_set1_ps(q.scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
+  const __m256i z = _mm256_set1_epi32(q.zero_point);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(y + j), s), l), h);
+    const __m256i c = _mm256_add_epi32(_mm256_cvtps_epi32(v), z);
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm_packus_epi16(w, w));
+  }
+#endif
+  for (; j < n; ++j) {
+    float v = y[j] / q.scale;
+    v = v > lo ? v : lo;
+    v = v < hi ? v : hi;
+    out[j] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(v)) + q.zero_point);
+  }
+}
+
+void swiglu_row(const float* g, const float* u, int64_t width, float* y);  // SwiGLU's, below
+
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return half_to_float(*p); }
 
@@ -280,15 +355,20 @@ struct Job {
   const W* wt;
   const float* base;      // may be null
   const float* residual;  // may be null
-  float* y;
+  float* y;               // [rows, n]; with swiglu, [rows, swiglu.width] (SwiGLU's of the corrected rows)
   int64_t rows, n, tiles, width;  // width: columns per tile, a multiple of kNative (the last tile may be narrower)
   int64_t block_rows, group_tiles, groups;  // a task's rows and tiles (the last block's and group's may be fewer)
+  struct Swiglu {  // SwiGLU after the correction (gate < 0: none), each row's result through it, and its codes
+    int64_t gate = -1, up = -1, width = 0;
+    const Quantizer* quant = nullptr;
+    uint8_t* codes = nullptr;  // may be null
+  } swiglu;
 };
 
 // Row r of the output's columns [n0, n0 + NV * kNative), its outliers row `at` of o: their weight-row slices,
 // scaled and summed in order of channel in NV vector registers, then added to base; the output is written once.
 template <int NV, typename W>
-void tile_row(const Job<W>& job, const Outliers& o, int64_t at, int64_t r, int64_t n0) {
+void tile_row(const Job<W>& job, const Outliers& o, int64_t at, int64_t r, int64_t n0, float* row) {
   NVec acc[NV] = {};
   for (int64_t i = o.start[at]; i < o.start[at + 1]; ++i) {
     const NVec d = nsplat(o.excess[i]);
@@ -296,7 +376,7 @@ void tile_row(const Job<W>& job, const Outliers& o, int64_t at, int64_t r, int64
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[v] += d * nload16(wr + v * kNative);
   }
-  float* yr = job.y + r * job.n + n0;
+  float* yr = row + n0;
   if (job.residual != nullptr) {
     const float* br = job.base + r * job.n + n0;
     const float* rr = job.residual + r * job.n + n0;
@@ -314,23 +394,24 @@ void tile_row(const Job<W>& job, const Outliers& o, int64_t at, int64_t r, int64
 
 template <typename W, int... NV>
 constexpr auto tile_kernels(std::integer_sequence<int, NV...>) {
-  return std::array<void (*)(const Job<W>&, const Outliers&, int64_t, int64_t, int64_t), sizeof...(NV)>{&tile_row<NV + 1, W>...};
+  return std::array<void (*)(const Job<W>&, const Outliers&, int64_t, int64_t, int64_t, float*), sizeof...(NV)>{&tile_row<NV + 1, W>...};
 }
 
 // Row r's columns [n0, n1), one at a time (those past the last whole vector of a row), its outliers row `at` of o.
 template <typename W>
-void tail_row(const Job<W>& job, const Outliers& o, int64_t at, int64_t r, int64_t n0, int64_t n1) {
+void tail_row(const Job<W>& job, const Outliers& o, int64_t at, int64_t r, int64_t n0, int64_t n1, float* row) {
   for (int64_t j = n0; j < n1; ++j) {
     float acc = 0.0f;
     for (int64_t i = o.start[at]; i < o.start[at + 1]; ++i) acc += o.excess[i] * load1(job.wt + static_cast<int64_t>(o.channel[i]) * job.n + j);
     const int64_t e = r * job.n + j;
     const float y = job.base != nullptr ? job.base[e] + acc : acc;  // the correction added to base, then to the residual
-    job.y[e] = job.residual != nullptr ? job.residual[e] + y : y;
+    row[j] = job.residual != nullptr ? job.residual[e] + y : y;
   }
 }
 
 // Task t: the rows of row block t / groups, the columns of tile group t % groups; a row at a time, its tiles in
-// turn, so that each row's base, residual and output are read and written in address order.
+// turn, so that each row's base, residual and output are read and written in address order. With SwiGLU after the
+// correction (one group: whole rows), a row goes to this thread's row buffer, and SwiGLU's of it to the output.
 template <typename W>
 void run_task(void* data, size_t t) {
   static constexpr auto kernels = tile_kernels<W>(std::make_integer_sequence<int, kTile / kNative>{});
@@ -345,12 +426,22 @@ void run_task(void* data, size_t t) {
     o = &job.blocks[t];
     first = r0;
   }
-  for (int64_t r = r0; r < r1; ++r)
+  const auto& sw = job.swiglu;
+  thread_local std::vector<float> whole;  // a corrected row that SwiGLU reads (in cache: 12 KB for SmolLM2's gate/up)
+  if (sw.gate >= 0) grow(whole, job.n);
+  for (int64_t r = r0; r < r1; ++r) {
+    float* row = sw.gate >= 0 ? whole.data() : job.y + r * job.n;
     for (int64_t tile = t0; tile < t1; ++tile) {
       const int64_t n0 = tile * job.width, n1 = std::min(job.n, n0 + job.width), vecs = (n1 - n0) / kNative;
-      if (vecs > 0) kernels[vecs - 1](job, *o, r - first, r, n0);
-      if (n0 + vecs * kNative < n1) tail_row(job, *o, r - first, r, n0 + vecs * kNative, n1);
+      if (vecs > 0) kernels[vecs - 1](job, *o, r - first, r, n0, row);
+      if (n0 + vecs * kNative < n1) tail_row(job, *o, r - first, r, n0 + vecs * kNative, n1, row);
     }
+    if (sw.gate >= 0) {
+      float* y = job.y + r * sw.width;
+      swiglu_row(row + sw.gate, row + sw.up, sw.width, y);
+      if (sw.codes != nullptr) quantize_row(y, sw.width, *sw.quant, sw.codes + r * sw.width);
+    }
+  }
 }
 
 // y = residual + (base + (x - clip(x, lo, hi)) @ wt) for x [rows, k]: outliers holds x's outliers, found before; or,
@@ -358,7 +449,7 @@ void run_task(void* data, size_t t) {
 // 1,536 on one thread while the others waited), or, for fewer than kShadowTasks rows, they are found here first.
 template <typename W>
 void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, int64_t k, float lo, float hi, const W* wt, const float* base,
-             const float* residual, float* y, int64_t rows, int64_t n) {
+             const float* residual, float* y, int64_t rows, int64_t n, const typename Job<W>::Swiglu& swiglu = {}) {
   if (rows == 0 || n == 0) return;  // an empty result
   // columns in as few tiles of at most kTile as there can be, of even widths (whole vectors but the last's end)
   const int64_t most = (n + kTile - 1) / kTile;
@@ -367,7 +458,7 @@ void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, 
   // tiles to make up at least kShadowTasks tasks (a prompt's last row through the LM head: its 49,152 columns in 16
   // groups); blocks and groups of equal size but the last, none empty
   const int64_t block_rows = (rows + kShadowTasks - 1) / kShadowTasks, row_blocks = (rows + block_rows - 1) / block_rows;
-  const int64_t want = std::min(tiles, (kShadowTasks + row_blocks - 1) / row_blocks);
+  const int64_t want = swiglu.gate >= 0 ? 1 : std::min(tiles, (kShadowTasks + row_blocks - 1) / row_blocks);  // SwiGLU: whole rows
   const int64_t group_tiles = (tiles + want - 1) / want, groups = (tiles + group_tiles - 1) / group_tiles;
   const size_t tasks = static_cast<size_t>(row_blocks * groups);
   thread_local Outliers found;             // the caller's: a few rows' outliers
@@ -378,7 +469,7 @@ void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, 
   }
   if (outliers == nullptr && own.size() < tasks) own.resize(tasks);
   Job<W> job{outliers, outliers == nullptr ? own.data() : nullptr, x, k, lo, hi, wt, base, residual, y, rows, n, tiles, width, block_rows,
-             group_tiles, groups};
+             group_tiles, groups, swiglu};
   // the correction's multiply-adds, or, before the outliers are found, their estimate: about 1% of x's entries
   // (calibration's clip at the 99th percentile), and a row's read of x and write of y
   const size_t work = outliers != nullptr ? outliers->channel.size() * static_cast<size_t>(n)
@@ -391,11 +482,22 @@ void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, 
 
 struct ShadowKernel {
   float lo, hi;
+  int64_t gate, up, width;  // SwiGLU's attributes: its result of the corrected rows is the output (gate < 0: none)
+  Quantizer quant;          // and its codes (a second output)
 
   ShadowKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     lo = ki.GetAttribute<float>("lo");
     hi = ki.GetAttribute<float>("hi");
+    gate = attribute_or<int64_t>(ki, "gate", -1);
+    up = attribute_or<int64_t>(ki, "up", -1);
+    width = attribute_or<int64_t>(ki, "width", 0);
+    if ((gate >= 0 || up >= 0 || width > 0) && !(gate >= 0 && up >= 0 && width > 0))
+      throw Ort::Exception("ShadowCorrection: SwiGLU's gate, up and width come together (columns of the result, width positive), or none",
+                           ORT_INVALID_ARGUMENT);
+    quant = quantizer_of(ki, "ShadowCorrection");
+    if (quant.on && gate < 0)
+      throw Ort::Exception("ShadowCorrection: a codes output needs SwiGLU's attributes (the codes are of SwiGLU's result)", ORT_INVALID_ARGUMENT);
   }
 
   void Compute(OrtKernelContext* context) {
@@ -415,6 +517,8 @@ struct ShadowKernel {
     const int64_t rows = leading_rows(xs);
     std::vector<int64_t> ys(xs.begin(), xs.end() - 1);
     ys.push_back(n);
+    if (gate >= 0 && std::max(gate, up) > n - width)
+      throw Ort::Exception("ShadowCorrection: SwiGLU's gate and up columns (width of each) must lie inside wt's N", ORT_INVALID_ARGUMENT);
     const float* base = nullptr;
     if (base_value != nullptr) {
       Ort::ConstValue b{base_value};
@@ -429,13 +533,17 @@ struct ShadowKernel {
         throw Ort::Exception("ShadowCorrection: residual must come with base, both [..., N]", ORT_INVALID_ARGUMENT);
       residual = b.GetTensorData<float>();
     }
-    Ort::UnownedValue y = ctx.GetOutput(0, ys.data(), ys.size());
+    std::vector<int64_t> shape = ys;  // the output's: SwiGLU's width with SwiGLU after the correction
+    if (gate >= 0) shape.back() = width;
+    Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
     float* out = y.GetTensorMutableData<float>();
     const float* xd = x.GetTensorData<float>();
     if (wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-      correct(ctx, nullptr, xd, k, lo, hi, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), base, residual, out, rows, n);
+      correct(ctx, nullptr, xd, k, lo, hi, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), base, residual, out, rows, n,
+              Job<uint16_t>::Swiglu{gate, up, width, &quant, quant.output(ctx, shape)});
     else
-      correct(ctx, nullptr, xd, k, lo, hi, wt.GetTensorData<float>(), base, residual, out, rows, n);
+      correct(ctx, nullptr, xd, k, lo, hi, wt.GetTensorData<float>(), base, residual, out, rows, n,
+              Job<float>::Swiglu{gate, up, width, &quant, quant.output(ctx, shape)});
   }
 };
 
@@ -450,8 +558,13 @@ struct ShadowCorrectionOp : Ort::CustomOpBase<ShadowCorrectionOp, ShadowKernel> 
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i >= 2 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  size_t GetOutputTypeCount() const { return 2; }  // y, and with SwiGLU's attributes its codes (optional)
+  ONNXTensorElementDataType GetOutputType(size_t i) const {
+    return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -470,23 +583,6 @@ struct ShadowCorrectionOp : Ort::CustomOpBase<ShadowCorrectionOp, ShadowKernel> 
 // terms and weighted V rows, which one pass over the tasks' maxima and sums then merges (as split-K
 // "flash decoding" does). More rows (a prompt's chunk): attend_chunk below.
 
-// An optional attribute, or fallback where it is absent. Through the C API, so that an absent one throws nothing
-// (AddressSanitizer's preloaded runtime, which the tests use, cannot intercept a C++ throw).
-template <typename V>
-V attribute_or(const Ort::ConstKernelInfo& ki, const char* name, V fallback) {
-  V value = fallback;
-  const OrtKernelInfo* info = ki;
-  OrtStatus* status;
-  if constexpr (std::is_same_v<V, float>)
-    status = Ort::GetApi().KernelInfoGetAttribute_float(info, name, &value);
-  else
-    status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &value);
-  if (status != nullptr) {
-    Ort::GetApi().ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
-}
 
 // e^x for x <= 87 (scores minus their maximum, minus a gate), a vector at a time: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error about 1e-7), 2^n into the exponent bits;
@@ -1209,21 +1305,10 @@ struct DecodeAttentionOp : Ort::CustomOpBase<DecodeAttentionOp<T>, AttentionKern
 };
 
 // ---------------------------------------------------------------------------------------------------
-// Quantized copies: SwiGLU and RMSNorm (below) may also write their result as the uint8 codes of the W8A8
-// projection that reads it (attributes scale and zero_point, a second output), as ONNX QuantizeLinear
-// computes them: clamp(round_half_even(y / scale) + zero_point, 0, 255), a NaN as 0. ONNX Runtime's
-// QuantizeLinear is then not a pass of its own.
-
-struct Quantizer {
-  float scale = 0.0f;
-  int32_t zero_point = 0;
-  bool on = false;  // whether the op has the codes output
-
-  // The codes output (output 1) of this shape, or null when the op has none.
-  uint8_t* output(Ort::KernelContext& ctx, const std::vector<int64_t>& shape) const {
-    return on ? ctx.GetOutput(1, shape.data(), shape.size()).GetTensorMutableData<uint8_t>() : nullptr;
-  }
-};
+// Quantized copies: SwiGLU and RMSNorm (below), and ShadowCorrection with SwiGLU's attributes, may also write their
+// result as the uint8 codes of the W8A8 projection that reads it (attributes scale and zero_point, a second output),
+// as ONNX QuantizeLinear computes them (Quantizer, quantize_row: above the corrections): clamp(round_half_even(y /
+// scale) + zero_point, 0, 255), a NaN as 0. ONNX Runtime's QuantizeLinear is then not a pass of its own.
 
 // An op of float inputs whose first output is float and whose optional second is its codes (Quantizer).
 template <typename Op, typename Kernel>
@@ -1239,45 +1324,6 @@ struct CodesOp : Ort::CustomOpBase<Op, Kernel> {
     return i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
 };
-
-Quantizer quantizer_of(const Ort::ConstKernelInfo& ki, const char* op) {
-  Quantizer q;
-  q.on = ki.GetOutputCount() > 1;
-  if (!q.on) return q;
-  q.scale = ki.GetAttribute<float>("scale");
-  q.zero_point = static_cast<int32_t>(ki.GetAttribute<int64_t>("zero_point"));
-  if (!(q.scale > 0.0f) || q.zero_point < 0 || q.zero_point > 255)
-    throw Ort::Exception(std::string(op) + ": codes need a positive scale and a zero_point in 0..255", ORT_INVALID_ARGUMENT);
-  return q;
-}
-
-void quantize_row(const float* y, int64_t n, const Quantizer& q, uint8_t* out) {
-  const float lo = static_cast<float>(-q.zero_point), hi = static_cast<float>(255 - q.zero_point);
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  const __m512 s = _mm512_set1_ps(q.scale), l = _mm512_set1_ps(lo), h = _mm512_set1_ps(hi);
-  const __m512i z = _mm512_set1_epi32(q.zero_point);
-  for (; j + 16 <= n; j += 16) {  // max/min return their second operand for a NaN: lo, then 0
-    const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_loadu_ps(y + j), s), l), h);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), z)));
-  }
-#elif defined(__AVX2__)
-  const __m256 s = _mm256_set1_ps(q.scale), l = _mm256_set1_ps(lo), h = _mm256_set1_ps(hi);
-  const __m256i z = _mm256_set1_epi32(q.zero_point);
-  for (; j + 8 <= n; j += 8) {
-    const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(y + j), s), l), h);
-    const __m256i c = _mm256_add_epi32(_mm256_cvtps_epi32(v), z);
-    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), _mm_packus_epi16(w, w));
-  }
-#endif
-  for (; j < n; ++j) {
-    float v = y[j] / q.scale;
-    v = v > lo ? v : lo;
-    v = v < hi ? v : hi;
-    out[j] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(v)) + q.zero_point);
-  }
-}
 
 // ---------------------------------------------------------------------------------------------------
 // SwiGLU(x[..., W]; gate, up, width, scale?, zero_point?) -> y[..., width], codes[..., width]?
