@@ -329,6 +329,11 @@ class _Builder:
     def drops(self, v: Value) -> bool:
         """Whether no op of this graph reads ``v``: a gate or up half that SwiGLU reads whole (the decode graph
         also: q/k/v that attention takes packed)."""
+        return self.read_by_swiglu(v)
+
+    def read_by_swiglu(self, v: Value) -> bool:
+        """Whether ``v`` is no graph output and read only by :meth:`swiglu` ops (the Mul, or the silu before it),
+        which read the gate/up projection whole."""
         if not v.uses or v.name in self.sub.outputs:
             return False
         return all((u.op == "Mul" and self.swiglu(u) is not None) or (u.op == "Act" and self.into_swiglu(u)) for u, _ in v.uses)
@@ -594,8 +599,9 @@ class _Builder:
         and width attributes), so that the corrected gate/up projection is never written out: ``shadow`` corrects
         that projection whole (its one result, or its halves, :meth:`whole_source`) with no residual or projection
         joining it, only that SwiGLU reads the halves, and the SwiGLU is an op of this graph (not inside a
-        ``W8A8MatMul``); else None."""
-        if not self.native or self.residual_add(shadow) is not None or self.fused_projection(shadow) is not None:
+        ``W8A8MatMul``) of more than one row (a task of the op then takes whole rows: one row would be one task);
+        else None."""
+        if self.rows == 1 or not self.native or self.residual_add(shadow) is not None or self.fused_projection(shadow) is not None:
             return None
         v = shadow.outputs[0]
         if self.whole_source(shadow) is not None:
@@ -605,9 +611,9 @@ class _Builder:
             whole, halves = v.name, [u.outputs[0] for u, _ in v.uses]
         else:
             return None
-        if not all(self.drops(h) for h in halves):
+        if not all(self.read_by_swiglu(h) for h in halves):  # (not drops: the decode graph's also drops q/k/v)
             return None
-        muls = {id(m): m for h in halves for u, _ in h.uses for m in ([u] if u.op == "Mul" else [w for w, _ in u.outputs[0].uses])}
+        muls = {id(m): m for h in halves for u, _ in h.uses for m in ([u] if u.op == "Mul" else [w for w, _ in u.outputs[0].uses if w.op == "Mul"])}
         mul = next(iter(muls.values())) if len(muls) == 1 else None
         if mul is None or mul.name not in self.members or (fused := self.swiglu(mul)) is None:
             return None

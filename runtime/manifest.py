@@ -27,8 +27,9 @@ from llmc.runtime.errors import BundleError
 # 5 does not build, so it refuses them.
 # 6: a --cpu-kernels native one-row graph's W8A8MatMul may compute the SwiGLU before it (attributes gate and up, x the
 # gate/up projection's result), which the kernel of a runtime before 6 does not, so it refuses them.
-# 7: a --cpu-kernels native chunk instance's ai.llmc.ShadowCorrection may compute the SwiGLU after it (attributes gate,
-# up and width, a second output of codes), which the kernel of a runtime before 7 does not, so it refuses them.
+# 7: a --cpu-kernels native graph of more than one row may have an ai.llmc.ShadowCorrection that computes the SwiGLU
+# after it (attributes gate, up and width, a second output of codes), which the kernel of a runtime before 7 does not,
+# so it refuses them.
 SCHEMA_VERSION = 7
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 MANIFEST = "manifest.json"

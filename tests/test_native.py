@@ -1155,17 +1155,19 @@ def test_shadow_correction_adds_a_residual(native_kernels):
         sess.run(None, {"x": x, "res": res})
 
 
-@pytest.mark.parametrize("rows,wtype,codes", [(57, np.float16, True), (256, np.float32, True), (1, np.float16, True), (7, np.float32, False)])
+@pytest.mark.parametrize("rows,wtype,codes", [(57, np.float16, True), (256, np.float32, True), (1, np.float16, True), (7, np.float32, False),
+                                             (0, np.float16, True)])
 def test_shadow_correction_with_swiglu_is_correction_then_swiglu(native_kernels, rows, wtype, codes):
     """With SwiGLU's attributes ShadowCorrection's outputs are, bit for bit, what ShadowCorrection and then SwiGLU
     compute (the result, and its codes): a gate/up projection's correction and its activation as one op, at a chunk's
-    rows (row blocks on the pool), one row, and a few rows on one task each; gate after up in the columns too."""
+    rows and 57 (row blocks on the pool), one row and 7 (on this thread), none; up before gate in the columns, a width
+    and columns that end past whole vectors (the rows' and SwiGLU's tails)."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(rows)
-    k, width, lo, hi, scale, zp = 96, 136, -1.0, 1.0, 0.01, 128
-    n = 2 * width + 8  # columns past the gate and up halves, which SwiGLU does not read
-    gate, up = width + 8, 0
+    k, width, lo, hi, scale, zp = 320, 133, -1.0, 1.0, 0.01, 128
+    n = 2 * width + 5  # columns past the gate and up halves, which SwiGLU does not read
+    gate, up = width + 5, 0
     wt = (rng.standard_normal((k, n)) * 0.5).astype(wtype)
     vi = helper.make_tensor_value_info
     q = {"scale": scale, "zero_point": zp} if codes else {}
@@ -1183,9 +1185,9 @@ def test_shadow_correction_with_swiglu_is_correction_then_swiglu(native_kernels,
     half = len(outs)
     for a, b in zip(got[:half], got[half:]):
         np.testing.assert_array_equal(a, b)
-    assert got[0].shape == (rows, width) and np.abs(got[0]).max() > 0.5
-    if codes:
-        assert len(np.unique(got[1])) > 20
+    assert got[0].shape == (rows, width)
+    if rows and codes:
+        assert np.abs(got[0]).max() > 0.5 and len(np.unique(got[1])) > 20
 
 
 def test_shadow_correction_with_swiglu_checks_its_attributes(native_kernels):
@@ -1211,6 +1213,12 @@ def test_shadow_correction_with_swiglu_checks_its_attributes(native_kernels):
     with pytest.raises(errors, match="must lie inside wt's N"):
         run(["y"], gate=0, up=11, width=10)
     assert run(["y"], gate=0, up=10, width=10)[0].shape == (2, 10)
+    node = helper.make_node("ShadowCorrection", ["x", "wt", "b", "b"], ["y"], domain="ai.llmc", lo=-1.0, hi=1.0, gate=0, up=10, width=10)
+    g = helper.make_graph([node], "g", [vi("x", TensorProto.FLOAT, [2, 8]), vi("b", TensorProto.FLOAT, [2, 20])], [vi("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(wt, "wt")])
+    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
+    with pytest.raises(errors, match="a residual and SwiGLU's attributes do not come together"):
+        sess.run(None, {"x": np.zeros((2, 8), np.float32), "b": np.zeros((2, 20), np.float32)})
 
 
 def test_inspect_and_bench_name_the_native_kernels(npu_pair, native_kernels):
@@ -1285,8 +1293,9 @@ def test_w8a8_matmul_reads_the_swiglu_of_its_input(native_kernels, rows):
 
 def test_swiglu_stays_an_op_where_another_op_reads_its_result(model_dirs):
     """The backend leaves a gated MLP's activation to the down projection's W8A8MatMul only in one-row graphs and only
-    where W8A8MatMul ops (and the corrections they do) are all that read it: a chunk instance keeps llmc's SwiGLU, and
-    so would a one-row graph in which any other op read the activation."""
+    where W8A8MatMul ops (and the corrections they do) are all that read it (so would a one-row graph in which any other
+    op read the activation keep llmc's SwiGLU); in a chunk the gate/up projection's correction computes it, but not
+    where another op reads a half of that projection, and not the q/k/v correction, whose halves attention takes."""
     from llmc.analyses import DecodeGraph
     from llmc.backends.onnx_backend import _Builder
     from llmc.passes import DEFAULT_PIPELINES
@@ -1304,3 +1313,15 @@ def test_swiglu_stays_an_op_where_another_op_reads_its_result(model_dirs):
     muls[0].outputs[0]._uses.append((other, 0))  # another reader of the activation
     assert not one_row.gated_in_projection(muls[0]) and one_row.swiglu_inside(muls[0].outputs[0]) is None
     assert all(one_row.gated_in_projection(m) for m in muls[1:])
+
+    from llmc.backends.onnx_backend import _DecodeBuilder
+
+    chunk = _DecodeBuilder(g, ctx.get(DecodeGraph), {}, frozenset(), rows=CHUNK, native=True)
+    shadows = [n for n in g.nodes if n.name in chunk.members and n.op == "ShadowOutliers"]
+    fused = {id(s): chunk.swiglu_after(s) for s in shadows}
+    assert sum(m is not None for m in fused.values()) == len(muls)  # the gate/up corrections, not q/k/v's, o's or down's
+    assert all(chunk.swiglu_in_correction(m) for m in muls) and not any(one_row.swiglu_after(s) for s in shadows)
+    gate_up = next(s for s in shadows if fused[id(s)] is muls[1])
+    half = next(v for v in (gate_up.outputs[0], *(u.outputs[0] for u, _ in gate_up.outputs[0].uses)) if v.uses and v.uses[0][0].op in ("Act", "Mul"))
+    half._uses.append((other, 0))  # another reader of a half of the gate/up projection
+    assert chunk.swiglu_after(gate_up) is None and not chunk.swiglu_in_correction(muls[1])

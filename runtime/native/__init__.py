@@ -13,7 +13,9 @@ The library (``llmc_kernels.cc``, domain ``ai.llmc``) holds:
 - ``SwiGLU``: a gated MLP's ``silu(gate) * up`` from the gate/up projection's one result.
 - ``RMSNorm``: ONNX ``RMSNormalization``. It and SwiGLU may also write their result's uint8 codes for the W8A8
   projection that reads it (as ``QuantizeLinear`` computes them); ``ShadowCorrection`` may add the residual
-  stream. These fusions spare the graphs an Add and a QuantizeLinear per norm.
+  stream, or compute the SwiGLU after it (SwiGLU's attributes, and its codes) so that the corrected gate/up
+  result is never written out. These fusions spare the graphs an Add and a QuantizeLinear per norm, and a
+  SwiGLU per gated MLP in chunks.
 - ``BlockQMatMul``: ``MatMulNBits`` (4-bit codes in blocks of 32, int8 activations per block) for the one-row
   graphs of int4 bundles, widening its input with the block sums of folded offsets itself; a block's last
   projection adds the residual stream too (no Add), and its first ones do the RMS norm before them.

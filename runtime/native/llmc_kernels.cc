@@ -7,9 +7,9 @@
 //   y = residual + (base + (x - clip(x, lo, hi)) @ wt)
 //
 // (residual: the residual stream a block's last projection adds to, so that the add is not a pass of its own)
-// With SwiGLU's attributes (gate, up, width; scale and zero_point for a codes output) y is SwiGLU's of that result
-// (see SwiGLU below), computed from each row while it is in cache: a gated MLP's gate/up projection and its
-// activation as one op, the gate/up result never written out.
+// With SwiGLU's attributes (gate, up, width; scale and zero_point for a codes output; no residual) y is SwiGLU's of
+// that result (see SwiGLU below): a task then takes whole rows, each into a row buffer of its thread and SwiGLU's of
+// it (and its codes) into the outputs while it is in cache, so a gated MLP's gate/up result is never written out.
 // The float part of a W8A8 projection with shadow outliers: x's entries outside [lo, hi] are the
 // outliers, about 1% of a row, and each adds its excess times one row of the float weight table.
 // The graph-level form (llmc.backends.onnx_backend) gathers every channel that any row of a block
@@ -366,7 +366,8 @@ struct Job {
 };
 
 // Row r of the output's columns [n0, n0 + NV * kNative), its outliers row `at` of o: their weight-row slices,
-// scaled and summed in order of channel in NV vector registers, then added to base; the output is written once.
+// scaled and summed in order of channel in NV vector registers, then added to base; the output row (y's, or the row
+// buffer SwiGLU reads) is written once.
 template <int NV, typename W>
 void tile_row(const Job<W>& job, const Outliers& o, int64_t at, int64_t r, int64_t n0, float* row) {
   NVec acc[NV] = {};
@@ -447,6 +448,8 @@ void run_task(void* data, size_t t) {
 // y = residual + (base + (x - clip(x, lo, hi)) @ wt) for x [rows, k]: outliers holds x's outliers, found before; or,
 // when it is null, each task finds its own rows' (a chunk's; no serial scan before the tasks, which read 256 rows of
 // 1,536 on one thread while the others waited), or, for fewer than kShadowTasks rows, they are found here first.
+// With swiglu (gate >= 0) y is SwiGLU's of those rows, [rows, swiglu.width], and a task takes whole rows (one group of
+// tiles): fewer rows than kShadowTasks then make fewer tasks (a partial chunk's few rows; a chunk's 256 make 16).
 template <typename W>
 void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, int64_t k, float lo, float hi, const W* wt, const float* base,
              const float* residual, float* y, int64_t rows, int64_t n, const typename Job<W>::Swiglu& swiglu = {}) {
@@ -531,6 +534,8 @@ struct ShadowKernel {
       Ort::ConstValue b{residual_value};
       if (base == nullptr || b.GetTensorTypeAndShapeInfo().GetShape() != ys)
         throw Ort::Exception("ShadowCorrection: residual must come with base, both [..., N]", ORT_INVALID_ARGUMENT);
+      if (gate >= 0)  // a gated MLP's gate/up projection adds no residual stream
+        throw Ort::Exception("ShadowCorrection: a residual and SwiGLU's attributes do not come together", ORT_INVALID_ARGUMENT);
       residual = b.GetTensorData<float>();
     }
     std::vector<int64_t> shape = ys;  // the output's: SwiGLU's width with SwiGLU after the correction
@@ -582,7 +587,6 @@ struct ShadowCorrectionOp : Ort::CustomOpBase<ShadowCorrectionOp, ShadowKernel> 
 // Runtime's pool are a KV head by a block of kPositions positions: all its query heads' scores, softmax
 // terms and weighted V rows, which one pass over the tasks' maxima and sums then merges (as split-K
 // "flash decoding" does). More rows (a prompt's chunk): attend_chunk below.
-
 
 // e^x for x <= 87 (scores minus their maximum, minus a gate), a vector at a time: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error about 1e-7), 2^n into the exponent bits;
