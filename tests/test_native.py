@@ -1198,12 +1198,13 @@ def test_shadow_correction_with_swiglu_checks_its_attributes(native_kernels):
     wt = np.ones((8, 20), np.float32)
     vi = helper.make_tensor_value_info
 
-    def run(outs, **attrs):
-        node = helper.make_node("ShadowCorrection", ["x", "wt"], outs, domain="ai.llmc", lo=-1.0, hi=1.0, **attrs)
-        g = helper.make_graph([node], "g", [vi("x", TensorProto.FLOAT, [2, 8])], [vi(o, TensorProto.FLOAT if o == "y" else TensorProto.UINT8, None) for o in outs],
+    def run(outs, ins=("x", "wt"), **attrs):  # ins: "b" is a [2, 20] input (base, residual)
+        node = helper.make_node("ShadowCorrection", list(ins), outs, domain="ai.llmc", lo=-1.0, hi=1.0, **attrs)
+        inputs = [vi("x", TensorProto.FLOAT, [2, 8])] + ([vi("b", TensorProto.FLOAT, [2, 20])] if "b" in ins else [])
+        g = helper.make_graph([node], "g", inputs, [vi(o, TensorProto.FLOAT if o == "y" else TensorProto.UINT8, None) for o in outs],
                               [numpy_helper.from_array(wt, "wt")])
         sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
-        return sess.run(None, {"x": np.zeros((2, 8), np.float32)})
+        return sess.run(None, {v.name: np.zeros([d.dim_value for d in v.type.tensor_type.shape.dim], np.float32) for v in inputs})
 
     errors = (InvalidArgument, Fail, RuntimeException)
     with pytest.raises(errors, match="gate, up and width come together"):
@@ -1213,12 +1214,8 @@ def test_shadow_correction_with_swiglu_checks_its_attributes(native_kernels):
     with pytest.raises(errors, match="must lie inside wt's N"):
         run(["y"], gate=0, up=11, width=10)
     assert run(["y"], gate=0, up=10, width=10)[0].shape == (2, 10)
-    node = helper.make_node("ShadowCorrection", ["x", "wt", "b", "b"], ["y"], domain="ai.llmc", lo=-1.0, hi=1.0, gate=0, up=10, width=10)
-    g = helper.make_graph([node], "g", [vi("x", TensorProto.FLOAT, [2, 8]), vi("b", TensorProto.FLOAT, [2, 20])], [vi("y", TensorProto.FLOAT, None)],
-                          [numpy_helper.from_array(wt, "wt")])
-    sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
     with pytest.raises(errors, match="a residual and SwiGLU's attributes do not come together"):
-        sess.run(None, {"x": np.zeros((2, 8), np.float32), "b": np.zeros((2, 20), np.float32)})
+        run(["y"], ins=("x", "wt", "b", "b"), gate=0, up=10, width=10)
 
 
 def test_inspect_and_bench_name_the_native_kernels(npu_pair, native_kernels):

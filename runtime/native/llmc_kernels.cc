@@ -340,6 +340,14 @@ void quantize_row(const float* y, int64_t n, const Quantizer& q, uint8_t* out) {
 
 void swiglu_row(const float* g, const float* u, int64_t width, float* y);  // SwiGLU's, below
 
+// SwiGLU after a correction (ShadowCorrection's attributes gate, up, width; gate < 0: none): each corrected row's
+// SwiGLU is the output, and its codes (may be null) a second one.
+struct SwigluAfter {
+  int64_t gate = -1, up = -1, width = 0;
+  const Quantizer* quant = nullptr;
+  uint8_t* codes = nullptr;
+};
+
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return half_to_float(*p); }
 
@@ -358,11 +366,7 @@ struct Job {
   float* y;               // [rows, n]; with swiglu, [rows, swiglu.width] (SwiGLU's of the corrected rows)
   int64_t rows, n, tiles, width;  // width: columns per tile, a multiple of kNative (the last tile may be narrower)
   int64_t block_rows, group_tiles, groups;  // a task's rows and tiles (the last block's and group's may be fewer)
-  struct Swiglu {  // SwiGLU after the correction (gate < 0: none), each row's result through it, and its codes
-    int64_t gate = -1, up = -1, width = 0;
-    const Quantizer* quant = nullptr;
-    uint8_t* codes = nullptr;  // may be null
-  } swiglu;
+  SwigluAfter swiglu;
 };
 
 // Row r of the output's columns [n0, n0 + NV * kNative), its outliers row `at` of o: their weight-row slices,
@@ -452,7 +456,7 @@ void run_task(void* data, size_t t) {
 // tiles): fewer rows than kShadowTasks then make fewer tasks (a partial chunk's few rows; a chunk's 256 make 16).
 template <typename W>
 void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, int64_t k, float lo, float hi, const W* wt, const float* base,
-             const float* residual, float* y, int64_t rows, int64_t n, const typename Job<W>::Swiglu& swiglu = {}) {
+             const float* residual, float* y, int64_t rows, int64_t n, const SwigluAfter& swiglu = {}) {
   if (rows == 0 || n == 0) return;  // an empty result
   // columns in as few tiles of at most kTile as there can be, of even widths (whole vectors but the last's end)
   const int64_t most = (n + kTile - 1) / kTile;
@@ -543,12 +547,11 @@ struct ShadowKernel {
     Ort::UnownedValue y = ctx.GetOutput(0, shape.data(), shape.size());
     float* out = y.GetTensorMutableData<float>();
     const float* xd = x.GetTensorData<float>();
+    const SwigluAfter swiglu{gate, up, width, &quant, quant.output(ctx, shape)};
     if (wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-      correct(ctx, nullptr, xd, k, lo, hi, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), base, residual, out, rows, n,
-              Job<uint16_t>::Swiglu{gate, up, width, &quant, quant.output(ctx, shape)});
+      correct(ctx, nullptr, xd, k, lo, hi, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), base, residual, out, rows, n, swiglu);
     else
-      correct(ctx, nullptr, xd, k, lo, hi, wt.GetTensorData<float>(), base, residual, out, rows, n,
-              Job<float>::Swiglu{gate, up, width, &quant, quant.output(ctx, shape)});
+      correct(ctx, nullptr, xd, k, lo, hi, wt.GetTensorData<float>(), base, residual, out, rows, n, swiglu);
   }
 };
 
