@@ -85,6 +85,14 @@ class GenerationResult:
 # cost model (llmc.cost_model) prices such graphs with the one-thread measurements.
 ONE_THREAD_BYTES = 8 << 20
 
+# How long the decode graph's idle workers spin before they sleep (ONNX Runtime's
+# ``session.intra_op.spin_duration_us``, 1.26 and later; earlier releases ignore it and spin 2^20
+# rounds). The gap between two tokens' calls, sampling included, is about 0.25 ms (SmolLM2, 512 + 64
+# tokens), so a worker spins through it; after a generation's last token it sleeps within this bound,
+# where its default spin (about 40 ms of a core, measured by thread) took a core from the prefill that
+# follows: that prefill ran 12-14% slower (3 alternating pairs, 512 tokens, AVX-512 VNNI; docs/performance.md).
+DECODE_SPIN_US = 2000
+
 # With a decode graph, prefill runs a tail of up to C / TAIL_DIVISOR tokens after its last whole chunk
 # token by token through it instead of as a padded chunk: SmolLM2 at C = 256 prefills a chunk in about
 # 0.5 s and decodes a token in about 10-16 ms, so 16 tokens cost at most half a padded chunk. Programs
@@ -465,6 +473,8 @@ class Session:
         if self.native_kernels is not None:
             so.register_custom_ops_library(str(self.native_kernels))
         so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+        if spin:  # spinning between kernels and between tokens, not on into the next prefill (DECODE_SPIN_US)
+            so.add_session_config_entry("session.intra_op.spin_duration_us", str(DECODE_SPIN_US))
         if spin and rows > 1:
             # The decode graph's chunk instance (prefill, one call per chunk) spins too while it runs, but stops when
             # the call returns, so it does not take a core from the decode that follows. SmolLM2 W8A8, 512 tokens,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import numpy as np
 import pytest
@@ -289,6 +291,38 @@ def test_only_the_decode_graph_session_spins(bundles):
             return False
 
     assert {rows for (_, rows, _), (sess, _) in s._sessions.items() if stops(sess)} == {CHUNK}
+
+
+def _thread_cpu_seconds() -> float:
+    """The CPU time of all this process's threads so far (Linux: /proc/self/task/*/stat)."""
+    ticks = 0
+    for t in os.listdir("/proc/self/task"):
+        try:
+            fields = open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads threads' CPU time from Linux's /proc")
+def test_the_decode_graph_workers_sleep_soon_after_the_last_token(bundles, monkeypatch):
+    """After a generation the decode graph's workers spin at most DECODE_SPIN_US, not on into whatever runs next
+    (ONNX Runtime's default spin, 2^20 rounds, kept a core busy for about 40 ms after the last token)."""
+    from llmc.runtime import Session
+    from llmc.runtime import session
+    from llmc.runtime.session import DECODE_SPIN_US
+
+    monkeypatch.setattr(session, "ONE_THREAD_BYTES", 0)  # the small model's one-row graphs on two threads, as a real one's
+    s = Session(bundles("llama"), "cpu", threads=2)
+    spinning = [sess for (name, _, _), (sess, _) in s._sessions.items() if name == "decode_model"]
+    assert spinning and all(sess.get_session_options().get_session_config_entry("session.intra_op.spin_duration_us")
+                            == str(DECODE_SPIN_US) for sess in spinning)
+    s.generate(_ids(20), 8, stop_at_eos=False)  # warm
+    s.generate(_ids(20), 8, stop_at_eos=False)
+    before = _thread_cpu_seconds()
+    time.sleep(0.3)  # the process does nothing meanwhile: what its threads use is spinning
+    assert _thread_cpu_seconds() - before < 0.025  # clock ticks of 10 ms: at most 2 (spinning on: about 4)
 
 
 @pytest.mark.parametrize("n", [2, 10])
