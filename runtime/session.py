@@ -90,7 +90,8 @@ ONE_THREAD_BYTES = 8 << 20
 # rounds). The gap between two tokens' calls, sampling included, is about 0.25 ms (SmolLM2, 512 + 64
 # tokens), so a worker spins through it; after a generation's last token it sleeps within this bound,
 # where its default spin (about 40 ms of a core, measured by thread) took a core from the prefill that
-# follows: that prefill ran 12-14% slower (3 alternating pairs, 512 tokens, AVX-512 VNNI; docs/performance.md).
+# follows: that prefill ran 12-14% slower (3 alternating pairs of processes, 5 generations of 512 + 64 tokens each,
+# AVX-512 VNNI; docs/performance.md).
 DECODE_SPIN_US = 2000
 
 # With a decode graph, prefill runs a tail of up to C / TAIL_DIVISOR tokens after its last whole chunk
