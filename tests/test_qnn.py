@@ -65,6 +65,9 @@ def test_every_op_on_htp(qnn_bundle):
         phase = "decode" if rows == 1 and graph != "head" else "prefill"
         assert on_npu == (placement[phase][graph] == "npu") and bool(prefix) == on_npu
     assert any(on_npu for _, _, on_npu in s._sessions)
+    for (_, _, on_npu), (sess, _) in s._sessions.items():  # the HTP's sessions start no intra-op workers
+        so = sess.get_session_options()
+        assert not on_npu or (so.intra_op_num_threads == 1 and so.get_session_config_entry("session.intra_op.allow_spinning") == "0")
     for graph, instances in s.manifest["qnn"]["graphs"].items():  # every QNN instance, whatever the placement
         for rows in instances:
             assert s._session(graph, int(rows), "npu")[1]
