@@ -228,3 +228,30 @@ def test_ort_attention_decode_switches_to_all_threads_with_the_same_numbers(monk
         kw = dict(layer=0, start=start, n=rows, num_heads=h, num_kv_heads=kvh, head_dim=d, scale=0.25, rotary_dim=d, sliding_window=0)
         np.testing.assert_allclose(attn(q, k, v, cos, sin, **kw), kernels.attention(q, k, v, cos, sin, cache=ref, **kw), atol=1e-5)
     assert used == [2] + [1, 1] + [2] * 6  # the chunk, then decode at positions 8, 9 | 10..15
+
+
+@pytest.mark.parametrize("byte_level", [True, False])
+def test_text_stream_gives_the_whole_text_from_short_windows(byte_level):
+    """Streamed text: the deltas join to the decoding of all the tokens, including characters split over byte
+    tokens and bytes that make no character, while each step decodes only a few of the last tokens."""
+    from conftest import make_tokenizer
+
+    from llmc.runtime.session import TextStream
+
+    tok = make_tokenizer(byte_level).backend_tokenizer
+    text = " ".join(["the cat", "é", "dog", "€ 日本", "and the", "ü", "cat"] * 40)
+    ids = tok.encode(text).ids
+    if byte_level:
+        stray = tok.encode("é").ids[-1]  # a continuation byte alone: no character, U+FFFD
+        ids = ids[:50] + [stray] + ids[50:]
+    windows = []
+
+    def decode(window):
+        windows.append(len(window))
+        return tok.decode(list(window), skip_special_tokens=True)
+
+    stream = TextStream(decode)
+    deltas = [stream.push(t) for t in ids]
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
+    assert len(ids) > 300 and max(windows) <= 8  # not the whole generation at each step
+    assert not byte_level or "" in deltas  # a partial character waited for its other bytes
