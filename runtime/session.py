@@ -423,7 +423,8 @@ class Session:
         so.log_severity_level = 3
         so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
         # Every node runs on the HTP, none on ONNX Runtime's intra-op pool: no worker threads, which would each
-        # spin about 40 ms after the session is made (2^20 rounds), dozens of sessions in turn while a bundle loads.
+        # spin after the session is made (up to 2^20 rounds; 18 ms of CPU a session loading the test bundle), dozens
+        # of sessions in turn while a bundle loads.
         so.intra_op_num_threads = 1
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts = provider_options(oq, q["htp_arch"], q["soc_model"])

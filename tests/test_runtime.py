@@ -230,17 +230,33 @@ def test_ort_attention_decode_switches_to_all_threads_with_the_same_numbers(monk
     assert used == [2] + [1, 1] + [2] * 6  # the chunk, then decode at positions 8, 9 | 10..15
 
 
-@pytest.mark.parametrize("byte_level", [True, False])
-def test_text_stream_gives_the_whole_text_from_short_windows(byte_level):
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer: words as "▁word" pieces, whose decoder drops the first one's space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "[EOS]": 1, "▁the": 2, "▁cat": 3, "▁dog": 4, "▁and": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.add_special_tokens(["[EOS]"])
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "word-level", "metaspace"])
+def test_text_stream_gives_the_whole_text_from_short_windows(kind):
     """Streamed text: the deltas join to the decoding of all the tokens, including characters split over byte
-    tokens and bytes that make no character, while each step decodes only a few of the last tokens."""
+    tokens, bytes that make no character, special tokens (skipped) and a decoder that treats the first token
+    apart, while each step decodes only a few of the last tokens."""
     from conftest import make_tokenizer
 
     from llmc.runtime.session import TextStream
 
-    tok = make_tokenizer(byte_level).backend_tokenizer
+    byte_level = kind == "byte-level"
+    tok = _metaspace_tokenizer() if kind == "metaspace" else make_tokenizer(byte_level).backend_tokenizer
     text = " ".join(["the cat", "é", "dog", "€ 日本", "and the", "ü", "cat"] * 40)
     ids = tok.encode(text).ids
+    eos = tok.token_to_id("[EOS]")
+    ids = ids[:20] + [eos] + ids[20:60] + [eos, eos] + ids[60:]  # special tokens amid the text: decoded as nothing
     if byte_level:
         stray = tok.encode("é").ids[-1]  # a continuation byte alone: no character, U+FFFD
         ids = ids[:50] + [stray] + ids[50:]
