@@ -82,15 +82,17 @@ class TextStream:
         self.ids: list[int] = []
         self._start = 0  # the window's first token
         self._given = 0  # the tokens whose text has been given out
+        self._context = ""  # the text of ids[_start:_given], decoded once when the window moves
 
     def push(self, token: int) -> str:
         """Add ``token``; the text it adds ("" while it or the tokens before it make no whole character)."""
         self.ids.append(token)
-        before = self._decode(self.ids[self._start:self._given])
+        before = self._context
         text = self._decode(self.ids[self._start:])
         if len(text) <= len(before) or not text.startswith(before) or text.endswith("\ufffd"):
             return ""
         self._start, self._given = self._given, len(self.ids)
+        self._context = self._decode(self.ids[self._start:self._given])
         return text[len(before):]
 
 
