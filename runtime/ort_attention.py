@@ -295,12 +295,16 @@ class OrtAttention:
 INT8_CACHE_MIN_ORT = (1, 27)
 
 
+def ort_version(ort: Any) -> tuple[int, ...]:
+    """``ort``'s (major, minor) release: "1.27.0" and "1.27rc1" give (1, 27)."""
+    return tuple(int(x) for x in re.findall(r"\d+", ort.__version__)[:2])
+
+
 def check_int8_cache_support(ort: Any, bundle: Any) -> None:
     """Raise a :class:`BundleError` naming the fix when ``ort`` is too old for an int8 KV cache."""
     from llmc.runtime.errors import BundleError
 
-    version = tuple(int(x) for x in re.findall(r"\d+", ort.__version__)[:2])  # "1.27.0", "1.27rc1"
-    if version < INT8_CACHE_MIN_ORT:
+    if ort_version(ort) < INT8_CACHE_MIN_ORT:
         need = ".".join(map(str, INT8_CACHE_MIN_ORT))
         raise BundleError(f"{bundle} has an int8 KV cache (--kv-cache int8), which onnxruntime {ort.__version__} cannot run",
                           hint=f"pip install 'onnxruntime>={need}', or recompile with --kv-cache float32")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import re
 import time
 
 import numpy as np
@@ -346,9 +345,10 @@ def test_the_decode_graph_workers_sleep_soon_after_the_last_token(bundles, monke
     (ONNX Runtime's default spin, 2^20 rounds, kept a core busy for about 40 ms after the last token)."""
     import onnxruntime as ort
 
+    from llmc.runtime.ort_attention import ort_version
     from llmc.runtime.session import DECODE_SPIN_US
 
-    if tuple(int(x) for x in re.findall(r"\d+", ort.__version__)[:2]) < (1, 26):
+    if ort_version(ort) < (1, 26):
         pytest.skip(f"onnxruntime {ort.__version__} has no session.intra_op.spin_duration_us (1.26 and later)")
     assert _cpu_after_generation(bundles("llama"), monkeypatch, DECODE_SPIN_US) < 0.025  # ticks of 10 ms: at most 2
     # the control: workers that may spin longer than the window are seen spinning through it
