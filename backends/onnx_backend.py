@@ -30,10 +30,11 @@ QLinear         QuantizeLinear, DequantizeLinear (x: uint8; W: int8, zero point 
                 and for the MatMulAddFusion its sessions turn off); with llmc's
                 native ops a one-row instance without bias is ai.llmc.W8A8MatMul(x,
                 W, w_scale[, weight table][, residual][, norm]; x_scale,
-                x_zero_point[, lo, hi][, epsilon]): the quantization and the QDQ
+                x_zero_point[, lo, hi][, epsilon][, pack]): the quantization and the QDQ
                 MatMul, bit for bit, with the shadow correction of its result, the
                 residual Add after it and the RMS norm before it (where only such
-                ops read the norm) in the same op
+                ops read the norm) in the same op; the decode graph's have pack=1
+                (the op may keep a copy of its weights in its own layout)
 BlockQLinear    MatMulNBits (com.microsoft, bits 4 or 8, default zero point) for the
                 codes, then (when the weights have offsets) Gemm(block sums of x,
                 offsets, C = that result) (+ bias as Add); with the offsets folded into
@@ -137,6 +138,9 @@ class _Builder:
         self.made_once: set[str] = set()  # values made once per graph (block sums, the decode position)
         self.norm_weights: dict[str, str] = {}  # RMSNorms done inside the native projections that read them: their weight
         self.scalar_weights: set[str] = set()  # one-element weights used as per-tensor quantization scales
+        # whether the native projections may keep their weights in a layout of their own too (W8A8MatMul's pack): the
+        # decode graph's, which stay loaded; not the budgeted programs' step graphs, whose weights stream
+        self.pack_weights = False
         self.extra_inputs: list[Any] = []  # graph inputs and outputs beyond the subgraph's values (the decode graph's caches)
         self.extra_outputs: list[Any] = []
         self.values = {}
@@ -445,6 +449,8 @@ class _Builder:
             ins += [""] * (5 - len(ins)) + [weight]
         elif (gated := self.swiglu_inside(q.inputs[0])) is not None:
             ins[0], attrs["gate"], attrs["up"] = gated
+        if self.pack_weights:
+            attrs["pack"] = 1
         self.add("W8A8MatMul", ins, [out], q.name, domain=NATIVE_DOMAIN, **attrs)
 
     def norm_inside(self, v: Value) -> tuple[str, str, float] | None:
@@ -789,6 +795,7 @@ class _DecodeBuilder(_Builder):
     def __init__(self, graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str, Any]], fed: frozenset[str], rows: int = 1,
                  native: bool = False) -> None:
         super().__init__(graph, dg.subgraph, rows, weights, fed, native)
+        self.pack_weights = True
         from onnx import TensorProto
 
         from llmc.runtime import kernels

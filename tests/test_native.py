@@ -194,6 +194,11 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
     w8 = [n for n in _nodes(npu_pair["native"], decode) if n.op_type == "W8A8MatMul"]
     assert sum(len(n.input) == 6 for n in w8) == 2 * layers + 1  # norms
     assert sum({"gate", "up"} <= {a.name for a in n.attribute} for n in w8) == layers  # the down projections
+    # the decode graph's projections may keep their weights in their own layout too (they stay loaded); the other
+    # one-row graphs' (the CPU program's, which a memory budget streams) may not
+    assert all({(a.name, a.i) for a in n.attribute} >= {("pack", 1)} for n in w8)
+    others = [n for g in native_ops if g.endswith(".r1") and g != decode for n in _nodes(npu_pair["native"], g) if n.op_type == "W8A8MatMul"]
+    assert others and not any(a.name == "pack" for n in others for a in n.attribute)
     assert "RMSNorm" in native_ops[chunk] and "RMSNormalization" in stock_ops[decode] and "W8A8MatMul" not in native_ops[chunk]
 
     # the native bundle's weight tables are float16: the stock bundle's, rounded so in a copy, is the reference
@@ -886,27 +891,33 @@ def _w8_reference(x: np.ndarray, w: dict, x_scale: float, zero_point: int) -> np
     return (codes @ weights).astype(np.float32) * (np.float32(x_scale) * w["w_scale"])
 
 
+@pytest.mark.parametrize("pack", [0, 1])
 @pytest.mark.parametrize("k,n,zero_point,dtype,per_channel,rows,threads", [
     (576, 960, 128, np.int8, True, 1, 2),     # SmolLM2's q/k/v: whole blocks of 64 columns, row ranges fetching ahead
     (1536, 70, 128, np.int8, True, 1, 2),     # its down projection's K, 6 columns past a block
     (77, 200, 3, np.uint8, True, 2, 1),       # an odd K, a zero point whose codes' high parts reach 16, uint8 weights
     (64, 5, 255, np.int8, False, 3, 2),       # fewer columns than a block, one scale, the highest zero point
     (576, 4160, 128, np.int8, True, 1, 2),    # many blocks of columns
+    (6, 130, 0, np.uint8, False, 2, 2),       # K of one group of four rows and a half, the lowest zero point
 ])
-def test_w8a8_matmul_is_the_stock_projection(native_kernels, k, n, zero_point, dtype, per_channel, rows, threads):
+def test_w8a8_matmul_is_the_stock_projection(native_kernels, k, n, zero_point, dtype, per_channel, rows, threads, pack):
     """W8A8MatMul computes the stock projection (QuantizeLinear, then the QDQ MatMul that ONNX Runtime runs as
     MatMulIntegerToFloat) bit for bit: exact int32 sums of the codes less their zero point by the weights, at the
     extremes too (a row of codes 255 and one of 0 against columns of -128 and of 127: the byte multiply-adds' int16
-    sums at their bound), over several shapes, zero points, int8 and uint8 (offset 128) weights, one and many rows."""
+    sums at their bound), over several shapes, zero points, int8 and uint8 (offset 128) weights, one and many rows;
+    with the attribute pack too (on a CPU with AVX-512 VNNI, the weights in the op's own layout). Two calls: the
+    first makes the packed copy."""
     rng = np.random.default_rng(k + n + zero_point)
     w = _w8_weights(rng, k, n, dtype, per_channel)
     x = rng.normal(0, 1.5, (rows, k)).astype(np.float32)
     x[0, : k // 2] = 1e3  # codes 255
     x[-1, k // 2 :] = -1e3  # codes 0
     x_scale = 0.02
-    got = _session(_w8_model(k, n, w, x_zero_point=zero_point), native_kernels, threads).run(None, {"x": x})[0]
-    assert got.shape == (rows, n) and got.dtype == np.float32
-    np.testing.assert_array_equal(got, _w8_reference(x, w, x_scale, zero_point))
+    sess = _session(_w8_model(k, n, w, x_zero_point=zero_point, pack=pack), native_kernels, threads)
+    for xi in (x, x[::-1].copy()):
+        got = sess.run(None, {"x": xi})[0]
+        assert got.shape == (rows, n) and got.dtype == np.float32
+        np.testing.assert_array_equal(got, _w8_reference(xi, w, x_scale, zero_point))
 
 
 def test_w8a8_matmul_row_ranges_from_the_environment(native_kernels, monkeypatch):
@@ -922,8 +933,9 @@ def test_w8a8_matmul_row_ranges_from_the_environment(native_kernels, monkeypatch
         np.testing.assert_array_equal(got, _w8_reference(x, w, 0.02, 128))
 
 
-@pytest.mark.parametrize("table,rows", [(np.float16, 3), (np.float32, 3), (np.float16, 1), (np.float32, 1)])
-def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table, rows):
+@pytest.mark.parametrize("table,rows,pack", [(np.float16, 3, 0), (np.float32, 3, 0), (np.float16, 1, 0), (np.float32, 1, 0),
+                                            (np.float16, 1, 1), (np.float32, 3, 1)])
+def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table, rows, pack):
     """With a weight table (input 3, attributes lo and hi), a residual (input 4) and a norm weight (input 5, attribute
     epsilon), W8A8MatMul computes what RMSNorm, W8A8MatMul alone and ShadowCorrection (with that residual) compute one
     after the other, bit for bit: the outliers and codes are the normalised row's. One row (decode, whose row ranges
@@ -946,17 +958,18 @@ def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table, rows):
     graph = helper.make_graph([corr], "c", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(wt, "wt")])
     three_ops = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]),
                          native_kernels).run(None, {"x": xn, "base": base, "residual": r})[0]
-    fused = _session(_w8_model(k, n, {**w, "wt": wt, "norm": g}, residual=True, lo=lo, hi=hi, epsilon=0.25, **attrs), native_kernels)
+    fused = _session(_w8_model(k, n, {**w, "wt": wt, "norm": g}, residual=True, lo=lo, hi=hi, epsilon=0.25, pack=pack, **attrs), native_kernels)
     np.testing.assert_array_equal(fused.run(None, {"x": x, "residual": r})[0], three_ops)
 
 
 def test_w8a8_matmul_checks_weights_that_are_not_constants_on_every_call(native_kernels):
     """Weights that are graph inputs rather than initializers may change shape between calls: each call checks them
-    and uses their shape (the kernel keeps its checked facts only for constant weights)."""
+    and uses their shape (the kernel keeps its checked facts, and a packed copy with the attribute pack, only for
+    constant weights)."""
     from onnx import TensorProto, helper
     from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
 
-    node = helper.make_node("W8A8MatMul", ["x", "w", "w_scale"], ["y"], domain="ai.llmc", x_scale=0.02, x_zero_point=128)
+    node = helper.make_node("W8A8MatMul", ["x", "w", "w_scale"], ["y"], domain="ai.llmc", x_scale=0.02, x_zero_point=128, pack=1)
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64]),
               helper.make_tensor_value_info("w", TensorProto.INT8, [64, None]),
               helper.make_tensor_value_info("w_scale", TensorProto.FLOAT, [None])]

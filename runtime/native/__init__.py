@@ -24,7 +24,10 @@ The library (``llmc_kernels.cc``, domain ``ai.llmc``) holds:
   shadow correction (``ShadowCorrection``'s), the residual Add after it and the RMS norm before it where only such
   ops read the norm, or the SwiGLU before it (attributes ``gate`` and ``up``) where only such ops read its result. Int8 weights, or uint8 with zero point 128, read as they are stored (``[K, N]``, no packed copy),
   in one range of rows per CPU (``$LLMC_W8_SPLITS``, 1 to 64, sets the count: for sessions with fewer threads than
-  CPUs).
+  CPUs). With the attribute ``pack`` (the decode graph's) on a CPU with AVX-512 VNNI, the op instead keeps a copy of
+  its constant weights in the layout its loop reads in address order (blocks of 64 columns, four rows' bytes of a
+  column together, for ``vpdpbusd``), made by its first call: the same sums, bit for bit; SmolLM2's decode 15-20%
+  faster for 135 MB more memory. ``$LLMC_W8_PACK=0`` turns it off.
 
 Bundles compiled with ``--cpu-kernels native`` use these ops, and their sessions load the library.
 
