@@ -58,6 +58,15 @@ class DecodeGraphRunner:
         self._logits = np.zeros((1, out["features"]), np.float32)
         b.bind_output(logits_name, "cpu", 0, np.float32, [1, out["features"]], self._logits.ctypes.data)
 
+    def prime(self) -> None:
+        """Run the graph once at position 0 on zero inputs (its K/V rows at position 0 are written, and the next
+        prompt writes them again)."""
+        for dst in self._inputs:
+            dst.fill(0)
+        self._seqlens[0] = 0
+        self._total[()] = 1
+        self._session.run_with_iobinding(self._binding)
+
     def __call__(self, inputs: Sequence[np.ndarray], position: int) -> np.ndarray:
         """The logits ``[vocab]`` of the token whose graph inputs (its embedding row) are ``inputs``,
         at ``position`` (the cache holds the positions before it)."""
