@@ -672,21 +672,6 @@ struct AttentionJob {
   float* o;
 };
 
-// A block of cache rows as floats: float rows as they are, int8 codes widened once into buf (a chunk task's value
-// rows, which every row group of its query rows reads).
-template <typename T>
-const float* rows_as_float(const T* src, int64_t count, std::vector<float>& buf) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    buf.resize(static_cast<size_t>(count));
-    int64_t i = 0;
-    for (; i + kNative <= count; i += kNative) nstore(buf.data() + i, nload16(src + i));
-    for (; i < count; ++i) buf[i] = as_float(src[i]);
-    return buf.data();
-  }
-}
-
 // One row's decode attention reads each cached key and value row once for a batch of up to kHeadBatch query
 // heads of its group: a row is loaded (an int8 row widened) once, then multiplied into every head's sums, which
 // add in the same order as for one head at a time. kNative keys' dot products are kept per
@@ -883,8 +868,10 @@ __attribute__((optimize("fp-contract=off"))) void rotate(float* x, int64_t heads
 }
 
 // A chunk's attention (more than one row): a task is a KV head by a block of kQueryBlock positions, all its
-// query heads' rows (as flash attention does): over the cache's positions in blocks of kKeyBlock, the block's
-// keys transposed into a buffer, the scores of kRowGroup rows at a time against them, an online softmax (each
+// query heads' rows (as flash attention does): over the cache's positions in blocks of kKeyBlock (each block's
+// keys transposed, and its value rows widened to floats, once per call before the tasks: every task of the head
+// reads them; each task doing its own took 12-20% of a 256-row chunk's time after 256 positions), the scores of
+// kRowGroup rows at a time against them, an online softmax (each
 // row's running maximum and sum, its output rescaled when the maximum grows) and the e-weighted value rows
 // added to the rows' outputs. A row attends to the positions up to its own (and, with a window, the last
 // local_window_size of them); blocks past a row's position give it nothing.
@@ -907,6 +894,12 @@ struct ChunkJob {
   float* out;            // [rows, H*D]
   int64_t heads, group, c, d, p0, rows, window, qblocks;
   float scale;
+  // the call's key blocks, made once before the tasks (every task of a KV head reads them): block b covers positions
+  // base + b * kKeyBlock on, transposed ([KV][blocks][d][kKeyBlock]), and its value rows as floats ([KV][blocks]
+  // [kKeyBlock][d]; null for a float32 cache, whose rows are read where they are)
+  int64_t base = 0, blocks = 0;
+  float* kt = nullptr;
+  float* vf = nullptr;
 };
 
 NIVec lane_numbers() {
@@ -1029,13 +1022,29 @@ void transpose_keys(const T* k, int64_t kn, int64_t d, float* kt) {
 #endif
 }
 
+// Task t: KV head t / blocks's key block t % blocks (its positions up to the chunk's last) into job.kt and job.vf.
+template <typename T>
+void prepare_block(void* data, size_t t) {
+  const ChunkJob<T>& job = *static_cast<const ChunkJob<T>*>(data);
+  const int64_t g = static_cast<int64_t>(t) / job.blocks, b = static_cast<int64_t>(t) % job.blocks, d = job.d;
+  const int64_t k0 = job.base + b * kKeyBlock, kn = std::min(kKeyBlock, job.p0 + job.rows - k0);
+  const int64_t at = (g * job.blocks + b) * d * kKeyBlock;
+  transpose_keys(job.k + (g * job.c + k0) * d, kn, d, job.kt + at);
+  if (job.vf != nullptr) {
+    const T* src = job.v + (g * job.c + k0) * d;
+    float* dst = job.vf + at;
+    int64_t i = 0;
+    for (; i + kNative <= kn * d; i += kNative) nstore(dst + i, nload16(src + i));
+    for (; i < kn * d; ++i) dst[i] = as_float(src[i]);
+  }
+}
+
 template <typename T>
 void attend_chunk(void* data, size_t t) {
   const ChunkJob<T>& job = *static_cast<const ChunkJob<T>*>(data);
   const int64_t g = static_cast<int64_t>(t) / job.qblocks, i0 = (static_cast<int64_t>(t) % job.qblocks) * kQueryBlock;
   const int64_t i1 = std::min(job.rows, i0 + kQueryBlock), d = job.d, hd = job.heads * d;
   const int64_t n = (i1 - i0) * job.group;  // the task's query rows: row r is position i0 + r / group, head g * group + r % group
-  std::vector<float> kt(static_cast<size_t>(d * kKeyBlock)), vf;
   std::vector<float> acc(static_cast<size_t>((n + kRowGroup - 1) / kRowGroup * kRowGroup * d), 0.0f), m(static_cast<size_t>(n), -INFINITY), l(static_cast<size_t>(n), 0.0f);
   std::vector<char> nan(static_cast<size_t>(n), 0);
   alignas(64) float pb[kRowGroup][kKeyBlock];
@@ -1043,10 +1052,12 @@ void attend_chunk(void* data, size_t t) {
   const T* kg = job.k + g * job.c * d;
   const T* vg = job.v + g * job.c * d;
   const int64_t last = job.p0 + i1 - 1, first = job.window > 0 ? std::max<int64_t>(0, job.p0 + i0 + 1 - job.window) : 0;
-  for (int64_t k0 = first; k0 <= last; k0 += kKeyBlock) {
-    const int64_t kn = std::min(kKeyBlock, last + 1 - k0);
-    transpose_keys(kg + k0 * d, kn, d, kt.data());
-    const float* vb = rows_as_float(vg + k0 * d, kn * d, vf);
+  // the blocks from the one holding first (a window's first position need not start one; the rows' masks drop what
+  // is before it), up to last: positions past last in its block are masked too
+  for (int64_t k0 = job.base + (first - job.base) / kKeyBlock * kKeyBlock; k0 <= last; k0 += kKeyBlock) {
+    const int64_t kn = std::min(kKeyBlock, last + 1 - k0), at = (g * job.blocks + (k0 - job.base) / kKeyBlock) * d * kKeyBlock;
+    const float* kt = job.kt + at;
+    const float* vb = job.vf != nullptr ? job.vf + at : reinterpret_cast<const float*>(vg + k0 * d);
     for (int64_t r0 = 0; r0 < n; r0 += kRowGroup) {
       const float* qs[kRowGroup];
       float* as[kRowGroup];
@@ -1055,7 +1066,7 @@ void attend_chunk(void* data, size_t t) {
         as[rr] = acc.data() + (r0 + rr) * d;  // rows past n: padding, given zero weights
       }
       alignas(64) float sc[kRowGroup][kKeyBlock];
-      group_scores(qs, kt.data(), d, sc, kn);
+      group_scores(qs, kt, d, sc, kn);
       for (int rr = 0; rr < kRowGroup; ++rr) {
         const int64_t r = r0 + rr, pos = job.p0 + i0 + r / job.group;
         const int64_t tb = job.window > 0 ? std::max<int64_t>(0, pos + 1 - job.window - k0) : 0, te = std::min(kn, pos + 1 - k0);
@@ -1249,8 +1260,23 @@ struct AttentionKernel {
     if (rows > 1) {
       const int64_t qblocks = (rows + kQueryBlock - 1) / kQueryBlock;
       ChunkJob<T> job{q.data(), kc, vc, v_scale, out.GetTensorMutableData<float>(), heads, heads / kv_heads, c, d, p0, rows, window, qblocks, scale};
-      const size_t tasks = static_cast<size_t>(kv_heads * qblocks);
-      if (tasks > 1 && (p + 1) * d * heads >= kAttentionParallel)
+      // the key blocks the chunk's rows attend over: from the earliest row's window start, in whole blocks
+      job.base = window > 0 ? std::max<int64_t>(0, p0 + 1 - window) : 0;
+      job.blocks = (p0 + rows - job.base + kKeyBlock - 1) / kKeyBlock;
+      thread_local std::vector<float> kt, vf;
+      grow(kt, kv_heads * job.blocks * d * kKeyBlock);
+      job.kt = kt.data();
+      if constexpr (!std::is_same_v<T, float>) {
+        grow(vf, kv_heads * job.blocks * d * kKeyBlock);
+        job.vf = vf.data();
+      }
+      const bool parallel = (p + 1) * d * heads >= kAttentionParallel;
+      const size_t prepared = static_cast<size_t>(kv_heads * job.blocks), tasks = static_cast<size_t>(kv_heads * qblocks);
+      if (parallel && prepared > 1)
+        ctx.ParallelFor(prepare_block<T>, prepared, 0, &job);
+      else
+        for (size_t t = 0; t < prepared; ++t) prepare_block<T>(&job, t);
+      if (parallel && tasks > 1)
         ctx.ParallelFor(attend_chunk<T>, tasks, 0, &job);
       else
         for (size_t t = 0; t < tasks; ++t) attend_chunk<T>(&job, t);
