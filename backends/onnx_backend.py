@@ -139,7 +139,8 @@ class _Builder:
         self.norm_weights: dict[str, str] = {}  # RMSNorms done inside the native projections that read them: their weight
         self.scalar_weights: set[str] = set()  # one-element weights used as per-tensor quantization scales
         # whether the native projections may keep their weights in a layout of their own too (W8A8MatMul's pack): the
-        # decode graph's, which stay loaded; not the budgeted programs' step graphs, whose weights stream
+        # decode graph's, whose session stays loaded and decodes every token; not the CPU program's one-row graphs
+        # (bundles without a decode graph, and budgeted ones, whose weights stream)
         self.pack_weights = False
         self.extra_inputs: list[Any] = []  # graph inputs and outputs beyond the subgraph's values (the decode graph's caches)
         self.extra_outputs: list[Any] = []

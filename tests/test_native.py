@@ -136,6 +136,24 @@ def npu_pair(model_dirs, calib_words, tmp_path_factory, native_kernels):
     return out
 
 
+def test_a_warmed_session_computes_what_a_lazy_one_does(npu_pair):
+    """Warm-up runs the decode graph once at position 0 (its W8A8MatMul ops pack their weights then, with AVX-512 VNNI):
+    the prompt's logits and the decode tokens' after it are the same, bit for bit, as a lazy session's, whose ops do
+    that work at its first decode."""
+    from llmc.runtime import Session
+
+    ids = [int(i) for i in np.random.default_rng(4).integers(3, 120, CHUNK + 5)]
+    got = []
+    for lazy in (False, True):
+        s = Session(npu_pair["native"], "cpu", lazy=lazy)
+        logits = [s.prefill(ids)]
+        for _ in range(4):
+            logits.append(s.decode(int(np.argmax(logits[-1]))))
+        got.append(logits)
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)
+
+
 def _ops(bundle) -> dict[str, set[str]]:
     import onnx
 
@@ -610,18 +628,21 @@ def test_chunk_rows_enter_the_cache_as_single_rows_do(native_kernels, cache):
     np.testing.assert_allclose(o[0], np.stack(singles), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("d,window,cache,rows", [(32, 0, "float32", 21), (80, 0, "float32", 21), (32, 30, "float32", 21), (32, 0, "float16", 21),
-                                                (80, 30, "float16", 21), (80, 0, "float16", 57)])
-def test_chunk_attention_against_numpy(native_kernels, d, window, cache, rows):
+@pytest.mark.parametrize("d,window,cache,rows,p0", [(32, 0, "float32", 21, 70), (80, 0, "float32", 21, 70), (32, 30, "float32", 21, 70),
+                                                   (32, 0, "float16", 21, 70), (80, 30, "float16", 21, 70), (80, 0, "float16", 57, 70),
+                                                   (32, 100, "float16", 57, 200)])
+def test_chunk_attention_against_numpy(native_kernels, d, window, cache, rows, p0):
     """DecodeAttention (and DecodeAttentionFloat16) at 21 rows (two blocks of positions, 3 query heads per KV head:
     row groups that end part-filled) after 70 cached positions (two blocks of keys): the rows land at their
     positions, each row attends causally to the positions up to its own (with a window, the last 30 of them), over
     head sizes in whole blocks of 64 columns and not (80); a NaN in one row's query head makes that row and head NaN.
-    57 rows of 80 columns: enough that blocks of the new rows are written to the caches on ONNX Runtime's pool."""
+    57 rows of 80 columns: enough that blocks of the new rows are written to the caches on ONNX Runtime's pool.
+    57 rows after 200 positions in a window of 100: the rows' windows start in different blocks of keys, none at the
+    start of one (the call's key blocks are made once, from the earliest row's window start)."""
     from onnx import TensorProto, helper
     from onnx.helper import np_dtype_to_tensor_dtype
 
-    heads, kv, cap, p0 = 6, 2, 128, 70
+    heads, kv, cap = 6, 2, 128 if p0 + rows <= 128 else 320
     p = p0 + rows - 1
     vi = helper.make_tensor_value_info
     op, dtype = _CACHE_OPS[cache]
@@ -635,7 +656,7 @@ def test_chunk_attention_against_numpy(native_kernels, d, window, cache, rows):
                                         vi("total", TensorProto.INT32, [])],
                           [vi("o", TensorProto.FLOAT, None), vi("ck", ct, None), vi("cv", ct, None)])
     sess = _session(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]), native_kernels)
-    rng = np.random.default_rng(d + window)
+    rng = np.random.default_rng(d + window + p0)
     q, k, v = (rng.standard_normal((1, rows, n * d)).astype(np.float32) for n in (heads, kv, kv))
     pk, pv = (rng.standard_normal((1, kv, cap, d)).astype(dtype) for _ in range(2))
     feeds = {"q": q, "k": k, "v": v, "pk": pk, "pv": pv, "seqlens": np.array([p], np.int32), "total": np.array(p + 1, np.int32)}
@@ -899,6 +920,7 @@ def _w8_reference(x: np.ndarray, w: dict, x_scale: float, zero_point: int) -> np
     (64, 5, 255, np.int8, False, 3, 2),       # fewer columns than a block, one scale, the highest zero point
     (576, 4160, 128, np.int8, True, 1, 2),    # many blocks of columns
     (6, 130, 0, np.uint8, False, 2, 2),       # K of one group of four rows and a half, the lowest zero point
+    (10, 64, 128, np.int8, True, 1, 1),       # an odd number of groups of four rows (the packed loop's last one alone)
 ])
 def test_w8a8_matmul_is_the_stock_projection(native_kernels, k, n, zero_point, dtype, per_channel, rows, threads, pack):
     """W8A8MatMul computes the stock projection (QuantizeLinear, then the QDQ MatMul that ONNX Runtime runs as

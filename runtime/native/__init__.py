@@ -22,7 +22,7 @@ The library (``llmc_kernels.cc``, domain ``ai.llmc``) holds:
 - ``W8A8MatMul``: a W8A8 projection of the one-row graphs as one op: ``QuantizeLinear`` of its input, the QDQ
   ``MatMul`` (ONNX Runtime's ``MatMulIntegerToFloat``: exact int32 sums, the same float scaling, bit for bit), the
   shadow correction (``ShadowCorrection``'s), the residual Add after it and the RMS norm before it where only such
-  ops read the norm, or the SwiGLU before it (attributes ``gate`` and ``up``) where only such ops read its result. Int8 weights, or uint8 with zero point 128, read as they are stored (``[K, N]``, no packed copy),
+  ops read the norm, or the SwiGLU before it (attributes ``gate`` and ``up``) where only such ops read its result. Int8 weights, or uint8 with zero point 128, read as they are stored (``[K, N]``),
   in one range of rows per CPU (``$LLMC_W8_SPLITS``, 1 to 64, sets the count: for sessions with fewer threads than
   CPUs). With the attribute ``pack`` (the decode graph's) on a CPU with AVX-512 VNNI, the op instead keeps a copy of
   its constant weights in the layout its loop reads in address order (blocks of 64 columns, four rows' bytes of a

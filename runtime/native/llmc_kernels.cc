@@ -1263,6 +1263,8 @@ struct AttentionKernel {
       // the key blocks the chunk's rows attend over: from the earliest row's window start, in whole blocks
       job.base = window > 0 ? std::max<int64_t>(0, p0 + 1 - window) : 0;
       job.blocks = (p0 + rows - job.base + kKeyBlock - 1) / kKeyBlock;
+      // this thread's, kept across calls: the chunk's keys and values as floats, KV heads x positions x d x 4 bytes
+      // each (SmolLM2 at 2,048 positions: 1.5 MB; the float16 cache of one layer x 2)
       thread_local std::vector<float> kt, vf;
       grow(kt, kv_heads * job.blocks * d * kKeyBlock);
       job.kt = kt.data();
@@ -1792,8 +1794,9 @@ struct MatVecOp : Ort::CustomOpBase<MatVecOp, MatVecKernel> {
 // or float16, attributes lo and hi); residual is added last. With norm, x is first RMS-normalised as RMSNorm does
 // (attribute epsilon), and the codes and outliers are the normalised row's.
 //
-// The op is bound by reading w once, a byte a weight, as it is stored ([K, N]: no packed copy of the weights the
-// chunk graphs' MatMulIntegerToFloat reads too). Whole rows are read in order: tasks on ONNX Runtime's threads are
+// The op is bound by reading w once, a byte a weight. Without the attribute pack (or without VNNI) it reads w as it is
+// stored ([K, N]: no copy of the weights the chunk graphs' MatMulIntegerToFloat reads too; with pack, see W8Packed
+// below). Whole rows are read in order: tasks on ONNX Runtime's threads are
 // ranges of rows (w8_splits; the LM head's too), each summing its rows into int32 sums of all N columns, which are
 // then added up and scaled. A range goes down its rows kW8Pairs pairs at a time, across all columns 64 at a time:
 // two rows' bytes interleaved (unpack), multiplied by the two codes' parts and pair-added (vpmaddubsw, see w8_rows).
@@ -1953,8 +1956,8 @@ void w8_task(void* data, size_t t) {
 // With AVX-512 VNNI, and the attribute pack, the op keeps its constant weights in a second layout, the one its loop
 // reads in address order: blocks of 64 output columns, each its K rows in groups of four, a group's 64 columns of
 // four bytes (a column's four rows together: vpdpbusd multiplies four unsigned codes by four signed bytes and adds
-// them into an int32). A task is a range of whole blocks, its sums in registers and written out scaled once; the
-// weights it reads are one address range, which the hardware fetches ahead (reading [K, N] a few rows at a time
+// them into an int32). A task is one block, its sums in registers and written out scaled once; the weights it reads
+// are one address range (and the threads take the blocks in order), which the hardware fetches ahead (reading [K, N] a few rows at a time
 // across the columns kept less of memory's bandwidth busy: 20-25% slower on SmolLM2's decode shapes, measured).
 // The codes are multiplied as they are (0..255) and the zero point's share taken out after, as x_zero_point times
 // the column's sum of weights, so the int32 sums are those of (codes - zero point) * w, as the [K, N] path's.
@@ -1962,7 +1965,9 @@ constexpr int64_t kW8Block = 64;  // output columns of a packed block
 constexpr bool kW8Packs = true;
 
 struct W8Packed {
-  std::vector<int8_t> w;        // [blocks, groups, 64, 4]: w[4g + i, 64b + j] at ((b * groups + g) * 64 + j) * 4 + i
+  // [blocks, groups, 64, 4]: w[4g + i, 64b + j] at ((b * groups + g) * 64 + j) * 4 + i; 64-byte aligned, so that each
+  // vector load is one cache line
+  std::unique_ptr<int8_t, decltype(&std::free)> w{nullptr, &std::free};
   std::vector<int32_t> colsum;  // [blocks * 64]: each column's sum of w (zero past N)
   int64_t groups = 0, blocks = 0;
 };
@@ -1983,7 +1988,7 @@ void w8_pack_task(void* data, size_t t) {
   const int64_t b = static_cast<int64_t>(t), c0 = b * kW8Block, cols = std::min(kW8Block, job.n - c0);
   const __mmask64 in = cols == kW8Block ? ~static_cast<__mmask64>(0) : (static_cast<__mmask64>(1) << cols) - 1;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(job.flip)), ones = _mm512_set1_epi8(1);
-  int8_t* dst = p.w.data() + b * p.groups * kW8Block * 4;
+  int8_t* dst = p.w.get() + b * p.groups * kW8Block * 4;
   __m512i sums[4] = {};
   for (int64_t g = 0; g < p.groups; ++g, dst += kW8Block * 4) {
     __m512i r[4];
@@ -2030,7 +2035,7 @@ void w8_packed_task(void* data, size_t t) {
   const W8PackedJob& job = *static_cast<const W8PackedJob*>(data);
   const W8Packed& p = *job.p;
   const int64_t b = static_cast<int64_t>(t), c0 = b * kW8Block;
-  const int8_t* src = p.w.data() + b * p.groups * kW8Block * 4;
+  const int8_t* src = p.w.get() + b * p.groups * kW8Block * 4;
   __m512i acc[2][4] = {};  // two groups at a time, each its own sums (added after: int32, exact in any order)
   int64_t g = 0;
   for (; g + 2 <= p.groups; g += 2, src += 2 * kW8Block * 4)
@@ -2127,7 +2132,8 @@ struct W8Kernel {
     auto p = std::make_unique<W8Packed>();
     p->groups = (k + 3) / 4;
     p->blocks = (n + kW8Block - 1) / kW8Block;
-    p->w.resize(static_cast<size_t>(p->blocks * p->groups * kW8Block * 4));
+    p->w.reset(static_cast<int8_t*>(std::aligned_alloc(64, static_cast<size_t>(std::max<int64_t>(1, p->blocks * p->groups) * kW8Block * 4))));
+    if (p->w == nullptr) throw Ort::Exception("W8A8MatMul: out of memory for the packed weights", ORT_FAIL);
     p->colsum.resize(static_cast<size_t>(p->blocks * kW8Block));
     W8PackJob job{static_cast<const uint8_t*>(w.GetTensorRawData()), static_cast<uint8_t>(wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ? 0x80 : 0), k, n, p.get()};
     ctx.ParallelFor(w8_pack_task, static_cast<size_t>(p->blocks), 0, &job);
