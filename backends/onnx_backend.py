@@ -142,6 +142,7 @@ class _Builder:
         # decode graph's, whose session stays loaded and decodes every token; not the CPU program's one-row graphs
         # (bundles without a decode graph, and budgeted ones, whose weights stream)
         self.pack_weights = False
+        self.packed_weights: list[str] = []  # the weights of the W8A8MatMul ops given pack=1
         self.extra_inputs: list[Any] = []  # graph inputs and outputs beyond the subgraph's values (the decode graph's caches)
         self.extra_outputs: list[Any] = []
         self.values = {}
@@ -452,6 +453,7 @@ class _Builder:
             ins[0], attrs["gate"], attrs["up"] = gated
         if self.pack_weights:
             attrs["pack"] = 1
+            self.packed_weights.append(ins[1])
         self.add("W8A8MatMul", ins, [out], q.name, domain=NATIVE_DOMAIN, **attrs)
 
     def norm_inside(self, v: Value) -> tuple[str, str, float] | None:
@@ -961,6 +963,9 @@ def emit_decode_graph(graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str
     entry = _write(graph, dg.subgraph, builders, weights, root, "cpu", frozenset(), fed)
     entry["kv"] = [{"layer": layer, **_kv_names(layer)} for layer, _, _ in dg.layers]
     entry["seqlens"], entry["total_len"] = DECODE_SEQLENS, DECODE_TOTAL
+    packed = [w for b in builders if b.rows == 1 for w in b.packed_weights]
+    if packed:  # the one-row instance's W8A8MatMul weights, which the ops copy into their layout on CPUs with VNNI
+        entry["packed"] = packed
     if len(builders) > 1:
         entry["logit_rows"] = DECODE_LOGIT_ROWS
     return {dg.subgraph.name: entry}

@@ -761,6 +761,9 @@ def bench(bundle, prompt_len, new_tokens, repeat, prompt_file, provider, threads
     click.echo(f"  kv cache {r.kv_cache}, {r.kv_cache_bytes / 1e6:.1f} MB for {sess.max_context} positions")
     if r.native_kernels:
         click.echo(f"  kernels  llmc's native ops (--cpu-kernels native) from {r.native_kernels}")
+    if r.packed_weight_bytes:
+        click.echo(f"  packed   the decode graph's W8A8 weights copied into their ops' layout (AVX-512 VNNI): "
+                   f"{r.packed_weight_bytes / 1e6:.1f} MB; LLMC_W8_PACK=0 reads them as stored")
     if r.int8_kernels:
         click.echo(f"  int8     {_INT8_KERNELS[r.int8_kernels]}")
         if r.int8_kernels == "u8u8" and sess.weight_bits == 8 and not r.offload:

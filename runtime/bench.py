@@ -54,6 +54,7 @@ class BenchResult:
     prefill_path: str = ""  # Session.prefill_path: what ran the prompt's chunks
     prompt: str = ""  # where the prompt's tokens came from (Prompt.source)
     native_kernels: str | None = None  # the library of llmc's native ops a --cpu-kernels native bundle ran, else None
+    packed_weight_bytes: int = 0  # Session.packed_weight_bytes: the decode graph's W8A8 weights copied into their ops' layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,7 @@ def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat:
         prefill_path=session.prefill_path,
         prompt=prompt.source,
         native_kernels=str(session.native_kernels) if session.native_kernels is not None else None,
+        packed_weight_bytes=session.packed_weight_bytes,
     )
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from llmc.runtime import kernels, native
 from llmc.runtime.binding import BoundGraph
-from llmc.runtime.cpu import int8_session_options, session_kwargs, u8s8_exact_for
+from llmc.runtime.cpu import cpu_flags, int8_session_options, session_kwargs, u8s8_exact_for
 from llmc.runtime.decode_graph import ChunkGraphRunner, DecodeGraphRunner
 from llmc.runtime.errors import BundleError, PromptError, PromptTooLongError, ProviderError, TokenIdError
 from llmc.runtime.manifest import SHAPE_ERRORS, load_manifest, map_weights, resolve_inside, shape_error
@@ -367,6 +367,21 @@ class Session:
         fed = {n for g in self.graphs.values() for key in ("streamed", "fed") for n in g.get(key, ())}
         constant_int8 = all(self.manifest["weights"][n]["dtype"] == "int8" and n not in fed for n in names)
         return "u8s8" if constant_int8 and u8s8_exact_for(self.weight_bits) else "u8u8"
+
+    @property
+    def packed_weight_bytes(self) -> int:
+        """The bytes of the copies the decode graph's native ``W8A8MatMul`` ops make of their weights, in the layout
+        their loop reads (``pack``; on CPUs with AVX-512 VNNI, unless ``LLMC_W8_PACK=0``): 0 when they make none."""
+        if self._decode_graph is None or self.native_kernels is None or os.environ.get("LLMC_W8_PACK", "").strip() == "0":
+            return 0
+        if not {"avx512_vnni", "avx512bw"} <= cpu_flags():
+            return 0
+        total = 0
+        for name in self.graphs[self._decode_graph].get("packed", []):
+            k, n = self.manifest["weights"][name]["shape"]
+            blocks = -(-n // 64)
+            total += -(-k // 4) * 4 * blocks * 64 + blocks * 64 * 4  # the bytes in blocks of 64 columns, their column sums
+        return total
 
     @property
     def counts_outliers(self) -> bool:

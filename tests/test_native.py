@@ -1275,6 +1275,33 @@ def test_inspect_and_bench_name_the_native_kernels(npu_pair, native_kernels):
     assert "native ops" not in run("bench", npu_pair["onnx"], "--prompt-len", 12, "--new-tokens", 2, "--repeat", 1)
 
 
+def test_bench_reports_the_packed_copy_of_the_decode_weights(npu_pair, monkeypatch):
+    """The manifest lists the decode graph's packed weights (its W8A8MatMul ops' with pack=1); a session counts their
+    copies' bytes (blocks of 64 columns, K in whole groups of four, and the columns' sums) where the CPU has AVX-512 VNNI
+    and LLMC_W8_PACK is not 0, and `llmc bench` says so; elsewhere 0 and no line."""
+    from click.testing import CliRunner
+
+    from llmc import runtime
+    from llmc.cli import cli
+    from llmc.runtime import Session
+
+    m = json.loads((npu_pair["native"] / "manifest.json").read_text())
+    w8 = [n for n in _nodes(npu_pair["native"], f"{m['decode_graph']}.r1") if n.op_type == "W8A8MatMul"]
+    assert m["graphs"][m["decode_graph"]]["packed"] == [n.input[1] for n in w8]
+    shapes = [m["weights"][n.input[1]]["shape"] for n in w8]
+    want = sum(-(-k // 4) * 4 * -(-n // 64) * 64 + -(-n // 64) * 64 * 4 for k, n in shapes)
+    for flags, env, expect in ((("avx512_vnni", "avx512bw"), None, want), (("avx512_vnni", "avx512bw"), "0", 0), (("avx2",), None, 0)):
+        monkeypatch.setattr(runtime.session, "cpu_flags", lambda flags=flags: frozenset(flags))
+        if env is None:
+            monkeypatch.delenv("LLMC_W8_PACK", raising=False)
+        else:
+            monkeypatch.setenv("LLMC_W8_PACK", env)
+        assert Session(npu_pair["native"], "cpu", lazy=True).packed_weight_bytes == expect
+        out = CliRunner().invoke(cli, ["bench", str(npu_pair["native"]), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1"]).output
+        assert (f"packed   the decode graph's W8A8 weights copied into their ops' layout (AVX-512 VNNI): {want / 1e6:.1f} MB" in out) == (expect > 0), out
+    assert Session(npu_pair["onnx"], "cpu", lazy=True).packed_weight_bytes == 0  # no native ops
+
+
 def test_compile_warns_when_the_kernels_are_not_built(model_dirs, tmp_path, monkeypatch, caplog):
     """--cpu-kernels native where the kernels are not built: the bundle is written, with a warning that it will
     not run here until `llmc kernels build`."""
