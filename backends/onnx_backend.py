@@ -119,6 +119,11 @@ def write_weights(graph: Graph, names: Iterable[str], root: Path) -> dict[str, d
 
 
 class _Builder:
+    # whether the native projections may keep their weights in a layout of their own too (W8A8MatMul's pack): the
+    # decode graph's (_DecodeBuilder), whose session stays loaded and decodes every token; not the CPU program's
+    # one-row graphs (bundles without a decode graph, and budgeted ones, whose weights stream)
+    pack_weights = False
+
     def __init__(self, graph: Graph, sub: Subgraph, rows: int, weights: dict[str, dict[str, Any]], streamed: frozenset[str] = frozenset(),
                  native: bool = False) -> None:
         from onnx import helper
@@ -138,10 +143,6 @@ class _Builder:
         self.made_once: set[str] = set()  # values made once per graph (block sums, the decode position)
         self.norm_weights: dict[str, str] = {}  # RMSNorms done inside the native projections that read them: their weight
         self.scalar_weights: set[str] = set()  # one-element weights used as per-tensor quantization scales
-        # whether the native projections may keep their weights in a layout of their own too (W8A8MatMul's pack): the
-        # decode graph's, whose session stays loaded and decodes every token; not the CPU program's one-row graphs
-        # (bundles without a decode graph, and budgeted ones, whose weights stream)
-        self.pack_weights = False
         self.packed_weights: list[str] = []  # the weights of the W8A8MatMul ops given pack=1
         self.extra_inputs: list[Any] = []  # graph inputs and outputs beyond the subgraph's values (the decode graph's caches)
         self.extra_outputs: list[Any] = []
@@ -795,10 +796,11 @@ class _DecodeBuilder(_Builder):
     minus one, ``SelectRows`` gathers the rows named by ``logit_rows`` (``[k]``, int64),
     and the corrections after it split those k rows into their own blocks."""
 
+    pack_weights = True
+
     def __init__(self, graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str, Any]], fed: frozenset[str], rows: int = 1,
                  native: bool = False) -> None:
         super().__init__(graph, dg.subgraph, rows, weights, fed, native)
-        self.pack_weights = True
         from onnx import TensorProto
 
         from llmc.runtime import kernels
@@ -963,8 +965,8 @@ def emit_decode_graph(graph: Graph, dg: DecodeGraph, weights: dict[str, dict[str
     entry = _write(graph, dg.subgraph, builders, weights, root, "cpu", frozenset(), fed)
     entry["kv"] = [{"layer": layer, **_kv_names(layer)} for layer, _, _ in dg.layers]
     entry["seqlens"], entry["total_len"] = DECODE_SEQLENS, DECODE_TOTAL
-    packed = [w for b in builders if b.rows == 1 for w in b.packed_weights]
-    if packed:  # the one-row instance's W8A8MatMul weights, which the ops copy into their layout on CPUs with VNNI
+    packed = [w for b in builders for w in b.packed_weights]  # the one-row instance's (only it has W8A8MatMul ops)
+    if packed:  # which the ops copy into their layout on CPUs with AVX-512 VNNI
         entry["packed"] = packed
     if len(builders) > 1:
         entry["logit_rows"] = DECODE_LOGIT_ROWS

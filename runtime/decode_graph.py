@@ -63,8 +63,12 @@ class DecodeGraphRunner:
         prompt writes them again)."""
         for dst in self._inputs:
             dst.fill(0)
-        self._seqlens[0] = 0
-        self._total[()] = 1
+        self._run(0)
+
+    def _run(self, position: int) -> None:
+        """One call on the bound inputs, the token at ``position``."""
+        self._seqlens[0] = position
+        self._total[()] = position + 1
         self._session.run_with_iobinding(self._binding)
 
     def __call__(self, inputs: Sequence[np.ndarray], position: int) -> np.ndarray:
@@ -72,9 +76,7 @@ class DecodeGraphRunner:
         at ``position`` (the cache holds the positions before it)."""
         for dst, x in zip(self._inputs, inputs):
             np.copyto(dst, x.reshape(dst.shape))
-        self._seqlens[0] = position
-        self._total[()] = position + 1
-        self._session.run_with_iobinding(self._binding)
+        self._run(position)
         return self._logits[0].copy()
 
 

@@ -372,7 +372,7 @@ class Session:
     def packed_weight_bytes(self) -> int:
         """The bytes of the copies the decode graph's native ``W8A8MatMul`` ops make of their weights, in the layout
         their loop reads (``pack``; on CPUs with AVX-512 VNNI, unless ``LLMC_W8_PACK=0``): 0 when they make none."""
-        if self._decode_graph is None or self.native_kernels is None or os.environ.get("LLMC_W8_PACK", "").strip() == "0":
+        if self._decode_graph is None or self.native_kernels is None or os.environ.get("LLMC_W8_PACK") == "0":
             return 0
         if not {"avx512_vnni", "avx512bw"} <= cpu_flags():
             return 0

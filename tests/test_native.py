@@ -136,16 +136,21 @@ def npu_pair(model_dirs, calib_words, tmp_path_factory, native_kernels):
     return out
 
 
-def test_a_warmed_session_computes_what_a_lazy_one_does(npu_pair):
+def test_a_warmed_session_computes_what_a_lazy_one_does(npu_pair, monkeypatch):
     """Warm-up runs the decode graph once at position 0 (its W8A8MatMul ops pack their weights then, with AVX-512 VNNI):
     the prompt's logits and the decode tokens' after it are the same, bit for bit, as a lazy session's, whose ops do
     that work at its first decode."""
     from llmc.runtime import Session
+    from llmc.runtime.decode_graph import DecodeGraphRunner
 
+    primed = []
+    prime = DecodeGraphRunner.prime
+    monkeypatch.setattr(DecodeGraphRunner, "prime", lambda self: (primed.append(self), prime(self))[1])
     ids = [int(i) for i in np.random.default_rng(4).integers(3, 120, CHUNK + 5)]
     got = []
     for lazy in (False, True):
         s = Session(npu_pair["native"], "cpu", lazy=lazy)
+        assert len(primed) == 1  # at the warmed session's load, not the lazy one's
         logits = [s.prefill(ids)]
         for _ in range(4):
             logits.append(s.decode(int(np.argmax(logits[-1]))))

@@ -1049,7 +1049,6 @@ void attend_chunk(void* data, size_t t) {
   std::vector<char> nan(static_cast<size_t>(n), 0);
   alignas(64) float pb[kRowGroup][kKeyBlock];
   auto qrow = [&](int64_t r) { return job.q + (i0 + r / job.group) * hd + (g * job.group + r % job.group) * d; };
-  const T* kg = job.k + g * job.c * d;
   const T* vg = job.v + g * job.c * d;
   const int64_t last = job.p0 + i1 - 1, first = job.window > 0 ? std::max<int64_t>(0, job.p0 + i0 + 1 - job.window) : 0;
   // the blocks from the one holding first (a window's first position need not start one; the rows' masks drop what
@@ -1953,6 +1952,7 @@ void w8_task(void* data, size_t t) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define LLMC_W8_PACKED 1  // the packed layout below is built
 // With AVX-512 VNNI, and the attribute pack, the op keeps its constant weights in a second layout, the one its loop
 // reads in address order: blocks of 64 output columns, each its K rows in groups of four, a group's 64 columns of
 // four bytes (a column's four rows together: vpdpbusd multiplies four unsigned codes by four signed bytes and adds
@@ -2081,9 +2081,8 @@ struct W8Kernel {
   // With the attribute pack (1) and AVX-512 VNNI: the constant weights in the packed layout (W8Packed), made by the
   // first call. LLMC_W8_PACK=0 turns it off (read when a kernel is made).
   bool pack = false;
-  std::atomic<const W8Packed*> packed{nullptr};
-  std::unique_ptr<W8Packed> packed_store;
-  std::mutex pack_mutex;
+  std::mutex pack_mutex;  // an uncontended lock a call (tens of nanoseconds), held while the first call makes them
+  std::unique_ptr<W8Packed> packed;
   // What the weight inputs (w, w_scale and the optional wt and norm) are. The checks of those that are the graph's
   // constants pass once and later calls reuse their facts (a decode step's ops are short, and each shape query of the
   // C API allocates); the others (a weight table the runtime feeds, say) are checked on every call.
@@ -2123,28 +2122,24 @@ struct W8Kernel {
     pack = kW8Packs && constant[1] && attribute_or<int64_t>(ki, "pack", 0) != 0 && !(env != nullptr && std::strcmp(env, "0") == 0);
   }
 
-  // The packed weights of w [k, n] (made by the first call that needs them).
+#if LLMC_W8_PACKED
+  // The packed weights of w [k, n] (made by the first call; a call that fails to make them leaves them to the next).
   const W8Packed* packed_weights(Ort::KernelContext& ctx, Ort::ConstValue w, int64_t k, int64_t n, ONNXTensorElementDataType wtype) {
-    if (const W8Packed* p = packed.load(std::memory_order_acquire)) return p;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     std::lock_guard<std::mutex> lock(pack_mutex);
-    if (const W8Packed* p = packed.load(std::memory_order_relaxed)) return p;
-    auto p = std::make_unique<W8Packed>();
-    p->groups = (k + 3) / 4;
-    p->blocks = (n + kW8Block - 1) / kW8Block;
-    p->w.reset(static_cast<int8_t*>(std::aligned_alloc(64, static_cast<size_t>(std::max<int64_t>(1, p->blocks * p->groups) * kW8Block * 4))));
-    if (p->w == nullptr) throw Ort::Exception("W8A8MatMul: out of memory for the packed weights", ORT_FAIL);
-    p->colsum.resize(static_cast<size_t>(p->blocks * kW8Block));
-    W8PackJob job{static_cast<const uint8_t*>(w.GetTensorRawData()), static_cast<uint8_t>(wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ? 0x80 : 0), k, n, p.get()};
-    ctx.ParallelFor(w8_pack_task, static_cast<size_t>(p->blocks), 0, &job);
-    packed_store = std::move(p);
-    packed.store(packed_store.get(), std::memory_order_release);
-    return packed_store.get();
-#else
-    (void)ctx, (void)w, (void)k, (void)n, (void)wtype;
-    return nullptr;
-#endif
+    if (packed == nullptr) {
+      auto p = std::make_unique<W8Packed>();
+      p->groups = (k + 3) / 4;
+      p->blocks = (n + kW8Block - 1) / kW8Block;
+      p->w.reset(static_cast<int8_t*>(std::aligned_alloc(64, static_cast<size_t>(std::max<int64_t>(1, p->blocks * p->groups) * kW8Block * 4))));
+      if (p->w == nullptr) throw Ort::Exception("W8A8MatMul: out of memory for the packed weights", ORT_FAIL);
+      p->colsum.resize(static_cast<size_t>(p->blocks * kW8Block));
+      W8PackJob job{static_cast<const uint8_t*>(w.GetTensorRawData()), static_cast<uint8_t>(wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 ? 0x80 : 0), k, n, p.get()};
+      ctx.ParallelFor(w8_pack_task, static_cast<size_t>(p->blocks), 0, &job);
+      packed = std::move(p);
+    }
+    return packed.get();
   }
+#endif
 
   // w's and w_scale's facts into f.
   static void check_matrix(Ort::ConstValue w, Ort::ConstValue w_scale, Weights& f) {
@@ -2229,9 +2224,20 @@ struct W8Kernel {
       xs = normed.data();
     }
     grow(codes, k);
-    grow(a, k + k % 2);
-    grow(parts, k + k % 2);
-    if (k % 2 != 0) a[static_cast<size_t>(k)] = 0;  // an odd K's last code pairs with a zero
+#if LLMC_W8_PACKED
+    const W8Packed* pw = pack ? packed_weights(ctx, w, k, n, wtype) : nullptr;
+    if (pw != nullptr) {
+      grow(codes, 4 * pw->groups);
+      std::fill(codes.begin() + k, codes.begin() + 4 * pw->groups, 0);  // the last group's rows past K
+    }
+#else
+    const void* pw = nullptr;
+#endif
+    if (pw == nullptr) {  // the [K, N] path's buffers
+      grow(a, k + k % 2);
+      grow(parts, k + k % 2);
+      if (k % 2 != 0) a[static_cast<size_t>(k)] = 0;  // an odd K's last code pairs with a zero
+    }
     // the codes' high parts: (a - lo) / 16 for a in -zero_point..255 - zero_point; 8 at most in magnitude when the zero
     // point is 120..136, and then a pair's sum, 2 * 255 * 8 at most, can be added 8 times in int16
     const int64_t flush = quant.zero_point >= 120 && quant.zero_point <= 136 ? kW8Pairs : kW8Pairs / 2;
@@ -2243,7 +2249,7 @@ struct W8Kernel {
     int64_t splits = parallel ? std::clamp<int64_t>(pairs / (2 * flush), 1, max_splits) : 1;
     const int64_t split_pairs = (pairs + splits - 1) / splits;
     splits = (pairs + split_pairs - 1) / split_pairs;
-    grow(partial, splits * n);
+    if (pw == nullptr) grow(partial, splits * n);
     W8Job job{a.data(), parts.data(), static_cast<const uint8_t*>(w.GetTensorRawData()), partial.data(), k, n, splits, split_pairs, flush,
               static_cast<uint8_t>(wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 ? 0x80 : 0), 0, quant.scale,
               w_scale.GetTensorData<float>(), scales != 1, nullptr};
@@ -2257,16 +2263,9 @@ struct W8Kernel {
       }
     }
     const size_t finishes = static_cast<size_t>((n + kW8Finish - 1) / kW8Finish);
-    const W8Packed* pw = pack ? packed_weights(ctx, w, k, n, wtype) : nullptr;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (pw != nullptr) {
-      grow(codes, 4 * pw->groups);
-      std::fill(codes.begin() + k, codes.begin() + 4 * pw->groups, 0);  // the last group's rows past K
-    }
-#endif
     for (int64_t r = 0; r < rows; ++r) {
       quantize_row(xs + r * k, k, quant, codes.data());
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if LLMC_W8_PACKED
       if (pw != nullptr) {
         W8PackedJob pj{pw, codes.data(), quant.zero_point, quant.scale, w_scale.GetTensorData<float>(), scales != 1, n, out + r * n};
         if (parallel)
