@@ -130,6 +130,9 @@ class _Builder:
 
         self.helper = helper
         self.native = native  # llmc's native ops (--cpu-kernels native): shadow corrections, attention, SwiGLU, RMSNorm, BlockQMatMul
+        # a W8A8 program (the npu target's): its native attention may multiply in bfloat16 (bf16=1), a rounding well
+        # under the 8-bit one its output gets as o_proj's input; the float32 programs' attention stays float32
+        self.bf16_attention = native and any(n.op == "QLinear" for n in graph.nodes)
         self.graph = graph
         self.sub = sub
         self.rows = rows
@@ -896,6 +899,8 @@ class _DecodeBuilder(_Builder):
             # llmc's native op (--cpu-kernels native): GroupQueryAttention's inputs and attributes
             attrs.pop("rotary_interleaved", None)
             op = "DecodeAttentionInt8" if "k_scale" in n.weights else "DecodeAttentionFloat16" if half else "DecodeAttention"
+            if self.bf16_attention:
+                attrs["bf16"] = 1
             self.add(op, ins, [y[0] if flat else f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=NATIVE_DOMAIN, **attrs)
         else:
             self.add("GroupQueryAttention", ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=MS_DOMAIN, **attrs)

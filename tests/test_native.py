@@ -180,11 +180,13 @@ def _nodes(bundle, instance: str) -> list:
     return list(onnx.load(str(bundle / entry["file"]), load_external_data=False).graph.node)
 
 
-def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
+def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path, monkeypatch):
     """Same logits over a two-chunk prompt (the chunk instances) and decode (the one-row ones) as the stock
     bundle with its corrections' weight tables rounded to float16, as the native bundle stores them (this
-    tiny random model's logits move by about 1% with that rounding); every CPU graph with a correction has
-    the native op and none of the stock correction's ops."""
+    tiny random model's logits move by about 1% with that rounding), its attention's products in float32
+    (LLMC_ATTN_BF16=0; in bfloat16, where the CPU has them, the logits stay within 5% of the largest, as 8-bit
+    codes move by one here and there); every CPU graph with a correction has the native op and none of the stock
+    correction's ops."""
     from llmc.runtime import Session
 
     m = json.loads((npu_pair["native"] / "manifest.json").read_text())
@@ -223,6 +225,9 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
     others = [n for g in native_ops if g.endswith(".r1") and g != decode for n in _nodes(npu_pair["native"], g) if n.op_type == "W8A8MatMul"]
     assert others and not any(a.name == "pack" for n in others for a in n.attribute)
     assert "RMSNorm" in native_ops[chunk] and "RMSNormalization" in stock_ops[decode] and "W8A8MatMul" not in native_ops[chunk]
+    # a W8A8 program's attention may multiply in bfloat16 (bf16=1), in its chunk and one-row graphs alike
+    attention = [n for g in (decode, chunk) for n in _nodes(npu_pair["native"], g) if n.op_type.startswith("DecodeAttention")]
+    assert len(attention) == 2 * layers and all({(a.name, a.i) for a in n.attribute} >= {("bf16", 1)} for n in attention)
 
     # the native bundle's weight tables are float16: the stock bundle's, rounded so in a copy, is the reference
     tables = {n: w for n, w in m["weights"].items() if n.endswith(".weight_t")}
@@ -239,21 +244,28 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path):
 
     ids = [int(t) for t in np.random.default_rng(7).integers(4, 120, size=2 * CHUNK + 5)]
     logits = {}
-    for kernels, bundle in (("native", npu_pair["native"]), ("onnx", rounded)):
+    monkeypatch.setenv("LLMC_ATTN_BF16", "0")
+    for kernels, bundle in (("native", npu_pair["native"]), ("onnx", rounded), ("bf16", npu_pair["native"])):
+        if kernels == "bf16":
+            monkeypatch.delenv("LLMC_ATTN_BF16")
         s = Session(bundle, "cpu", verify=False)
         s.reset()
         logits[kernels] = [s.prefill(ids[:-4])] + [s.decode(t) for t in ids[-4:]]
-    for a, b in zip(logits["native"], logits["onnx"]):
+    for a, b, c in zip(logits["native"], logits["onnx"], logits["bf16"]):
         np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()))
+        np.testing.assert_allclose(c, b, atol=5e-2 * max(1.0, np.abs(b).max()))
 
 
 @pytest.mark.parametrize("options", [{"weight_granularity": "tensor"}, {"shadow": False}])
-def test_w8a8_matmul_without_a_fused_correction(model_dirs, calib_words, tmp_path, native_kernels, options):
+def test_w8a8_matmul_without_a_fused_correction(model_dirs, calib_words, tmp_path, native_kernels, options, monkeypatch):
     """One weight scale per matrix (q/k/v and gate/up not merged: their corrections take several projections and stay
     ShadowCorrection, while o_proj's and down_proj's join theirs) and no shadow outliers at all (W8A8MatMul without a
-    weight table): the one-row graph's logits, token by token, are the chunk graph's over the same prompt."""
+    weight table): the one-row graph's logits, token by token, are the chunk graph's over the same prompt (its
+    attention's products in float32, LLMC_ATTN_BF16=0, as a row's are)."""
     from llmc.compile import compile_model
     from llmc.runtime import Session
+
+    monkeypatch.setenv("LLMC_ATTN_BF16", "0")
 
     out = tmp_path / "npu"
     compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, calib_file=str(calib_words),
@@ -587,12 +599,14 @@ def test_decode_attention_against_numpy(native_kernels, d, heads, kv, cache, fla
 
 
 @pytest.mark.parametrize("cache", ["int8", "float16"])
-def test_chunk_rows_enter_the_cache_as_single_rows_do(native_kernels, cache):
+def test_chunk_rows_enter_the_cache_as_single_rows_do(native_kernels, cache, monkeypatch):
     """A chunk's new rows, rotated and written into the caches in blocks on ONNX Runtime's pool (57 rows of 6 + 2 x 2
     heads of 80 columns), land in the caches bit for bit as the same rows sent one at a time (the decode path) put
     them, and the chunk's outputs match the single rows' (an int8 cache: queries times K's scales, codes of
-    rint(x / scale))."""
+    rint(x / scale)); the chunk's products in float32 (LLMC_ATTN_BF16=0), as a single row's are."""
     from onnx import TensorProto, helper
+
+    monkeypatch.setenv("LLMC_ATTN_BF16", "0")
     from onnx.helper import np_dtype_to_tensor_dtype
 
     heads, kv, d, cap, p0, rows = 6, 2, 80, 128, 9, 57
@@ -636,17 +650,19 @@ def test_chunk_rows_enter_the_cache_as_single_rows_do(native_kernels, cache):
 @pytest.mark.parametrize("d,window,cache,rows,p0", [(32, 0, "float32", 21, 70), (80, 0, "float32", 21, 70), (32, 30, "float32", 21, 70),
                                                    (32, 0, "float16", 21, 70), (80, 30, "float16", 21, 70), (80, 0, "float16", 57, 70),
                                                    (32, 100, "float16", 57, 200)])
-def test_chunk_attention_against_numpy(native_kernels, d, window, cache, rows, p0):
+def test_chunk_attention_against_numpy(native_kernels, d, window, cache, rows, p0, monkeypatch):
     """DecodeAttention (and DecodeAttentionFloat16) at 21 rows (two blocks of positions, 3 query heads per KV head:
     row groups that end part-filled) after 70 cached positions (two blocks of keys): the rows land at their
     positions, each row attends causally to the positions up to its own (with a window, the last 30 of them), over
     head sizes in whole blocks of 64 columns and not (80); a NaN in one row's query head makes that row and head NaN.
     57 rows of 80 columns: enough that blocks of the new rows are written to the caches on ONNX Runtime's pool.
     57 rows after 200 positions in a window of 100: the rows' windows start in different blocks of keys, none at the
-    start of one (the call's key blocks are made once, from the earliest row's window start)."""
+    start of one (the call's key blocks are made once, from the earliest row's window start). Products in float32
+    (LLMC_ATTN_BF16=0; test_chunk_attention_products_in_bfloat16 has the other way)."""
     from onnx import TensorProto, helper
     from onnx.helper import np_dtype_to_tensor_dtype
 
+    monkeypatch.setenv("LLMC_ATTN_BF16", "0")
     heads, kv, cap = 6, 2, 128 if p0 + rows <= 128 else 320
     p = p0 + rows - 1
     vi = helper.make_tensor_value_info
@@ -680,6 +696,93 @@ def test_chunk_attention_against_numpy(native_kernels, d, window, cache, rows, p
             s = K[h // 3, lo : pos + 1] @ q.reshape(rows, heads, d)[i, h] * 0.2
             w = np.exp(s - s.max())
             np.testing.assert_allclose(o[i, h], (w / w.sum()) @ V[h // 3, lo : pos + 1], rtol=1e-4, atol=1e-5)
+    q[0, 3, d + 1] = np.nan  # row 3, head 1
+    o = sess.run(None, {**feeds, "q": q})[0].reshape(rows, heads, d)
+    assert np.isnan(o[3, 1]).all()
+    o[3, 1] = 0
+    assert np.isfinite(o).all()
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """x's float32 values rounded to bfloat16 (to nearest, ties to even), as float32."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("cache,d,window,rows,p0", [("float16", 80, 0, 57, 70), ("float16", 32, 100, 57, 200), ("float16", 64, 0, 21, 0),
+                                                    ("int8", 48, 0, 21, 70), ("int8", 64, 30, 57, 9), ("float32", 16, 0, 21, 70)])
+def test_chunk_attention_products_in_bfloat16(native_kernels, cache, d, window, rows, p0, monkeypatch):
+    """With bf16=1 (a W8A8 program's attention), on a CPU with AVX512_BF16, a chunk's products are bfloat16 ones
+    with float32 sums: the output is numpy's with the queries (an int8 cache: times K's scales), the keys, the
+    values and the softmax's terms rounded to bfloat16 (a block of 64 keys at a time, its terms against the
+    running maximum, as the kernel does), and not the float32 path's, which the node takes without the attribute
+    or with LLMC_ATTN_BF16=0. Odd key counts in a block (pairs of value rows end in a zero row), windows, a chunk
+    at position 0, float16, int8 and float32 caches. Without the instructions bf16=1 is the float32 path, bit for
+    bit. A NaN query still makes its row and head NaN."""
+    from onnx import TensorProto, helper
+    from onnx.helper import np_dtype_to_tensor_dtype
+
+    from llmc.runtime.cpu import cpu_flags
+
+    heads, kv, scale = 6, 2, 0.2
+    cap, p = 320, p0 + rows - 1
+    op, dtype = _CACHE_OPS[cache]
+    int8 = cache == "int8"
+    ct = np_dtype_to_tensor_dtype(np.dtype(dtype))
+    vi = helper.make_tensor_value_info
+    names = ["q", "k", "v", "pk", "pv", "seqlens", "total"] + (["", "", "ks", "vs"] if int8 else [])
+    inputs = [vi("q", TensorProto.FLOAT, [1, rows, heads * d]), vi("k", TensorProto.FLOAT, [1, rows, kv * d]),
+              vi("v", TensorProto.FLOAT, [1, rows, kv * d]), vi("pk", ct, [1, kv, cap, d]), vi("pv", ct, [1, kv, cap, d]),
+              vi("seqlens", TensorProto.INT32, [1]), vi("total", TensorProto.INT32, [])]
+    if int8:
+        inputs += [vi("ks", TensorProto.FLOAT, [1, kv, 1, d]), vi("vs", TensorProto.FLOAT, [1, kv, 1, d])]
+    attrs = {"local_window_size": window} if window else {}
+
+    def model(**bf16):
+        node = helper.make_node(op, names, ["o", "ck", "cv"], domain="ai.llmc", num_heads=heads, kv_num_heads=kv, scale=scale, **attrs, **bf16)
+        g = helper.make_graph([node], "g", inputs, [vi("o", TensorProto.FLOAT, None), vi("ck", ct, None), vi("cv", ct, None)])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)])
+
+    rng = np.random.default_rng(d + rows + p0)
+    q, k, v = (rng.standard_normal((1, rows, n * d)).astype(np.float32) * 2 for n in (heads, kv, kv))
+    if int8:
+        ks, vs = (rng.uniform(0.01, 0.03, (1, kv, 1, d)).astype(np.float32) for _ in range(2))
+        pk, pv = (np.clip(np.rint(rng.standard_normal((1, kv, cap, d)) * 40), -128, 127).astype(np.int8) for _ in range(2))
+    else:
+        pk, pv = (rng.standard_normal((1, kv, cap, d)).astype(dtype) for _ in range(2))
+    feeds = {"q": q, "k": k, "v": v, "pk": pk, "pv": pv, "seqlens": np.array([p], np.int32), "total": np.array(p + 1, np.int32)}
+    if int8:
+        feeds.update(ks=ks, vs=vs)
+    exact, ck, cv = _session(model(), native_kernels).run(None, feeds)  # no bf16 attribute: float32
+    monkeypatch.setenv("LLMC_ATTN_BF16", "0")
+    np.testing.assert_array_equal(_session(model(bf16=1), native_kernels).run(None, feeds)[0], exact)
+    monkeypatch.delenv("LLMC_ATTN_BF16")
+    sess = _session(model(bf16=1), native_kernels)
+    o = sess.run(None, feeds)[0]
+    if "avx512_bf16" not in cpu_flags():
+        np.testing.assert_array_equal(o, exact)
+        return
+    assert not np.array_equal(o, exact)
+    K, V = ck[0].astype(np.float32), cv[0].astype(np.float32)  # the rows as the cache holds them (int8: codes)
+    qh = q.reshape(rows, heads, d)
+    o = o.reshape(rows, heads, d)
+    base = max(0, p0 + 1 - window) if window else 0  # where the call's blocks of 64 keys start
+    for i in range(rows):
+        pos = p0 + i
+        lo = max(0, pos + 1 - window) if window else 0
+        for h in range(heads):
+            qq = _bf16(qh[i, h] * ks[0, h // 3, 0] if int8 else qh[i, h]).astype(np.float64)
+            top, total, acc = -np.inf, 0.0, np.zeros(d)
+            for k0 in range(base + (lo - base) // 64 * 64, pos + 1, 64):  # the kernel's blocks, its running maximum
+                at = slice(max(k0, lo), min(k0 + 64, pos + 1))
+                s = (_bf16(K[h // 3, at]) @ qq) * scale
+                grown = max(top, s.max())
+                w = np.exp(s - grown)
+                total = total * np.exp(top - grown) + w.sum()
+                acc = acc * np.exp(top - grown) + _bf16(w.astype(np.float32)) @ _bf16(V[h // 3, at])
+                top = grown
+            ref = acc / total * (vs[0, h // 3, 0] if int8 else 1.0)
+            np.testing.assert_allclose(o[i, h], ref, rtol=0, atol=2e-4 * np.abs(ref).max())
     q[0, 3, d + 1] = np.nan  # row 3, head 1
     o = sess.run(None, {**feeds, "q": q})[0].reshape(rows, heads, d)
     assert np.isnan(o[3, 1]).all()

@@ -590,7 +590,10 @@ struct ShadowCorrectionOp : Ort::CustomOpBase<ShadowCorrectionOp, ShadowKernel> 
 // over [start, p], start = p + 1 - local_window_size when one is set. One row (decode): tasks on ONNX
 // Runtime's pool are a KV head by a block of kPositions positions: all its query heads' scores, softmax
 // terms and weighted V rows, which one pass over the tasks' maxima and sums then merges (as split-K
-// "flash decoding" does). More rows (a prompt's chunk): attend_chunk below.
+// "flash decoding" does). More rows (a prompt's chunk): attend_chunk below. With bf16=1 (the backend sets it in
+// W8A8 programs, whose attention output is o_proj's 8-bit input) a chunk's products are bfloat16 ones with float32
+// sums on a CPU with AVX512_BF16 (vdpbf16ps): the queries, keys, values and softmax terms are rounded to bfloat16
+// (LLMC_ATTN_BF16=0 keeps float32). One row stays float32: it is bound by reading the cache, not by multiplying.
 
 // e^x for x <= 87 (scores minus their maximum, minus a gate), a vector at a time: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error about 1e-7), 2^n into the exponent bits;
@@ -606,23 +609,36 @@ inline NVec vexp(NVec x) {
   return (NVec)bits;
 }
 
+// A vector's largest lane, whether any lane of a compare's mask is set, and the sum of its lanes: with AVX-512 in
+// halves (four levels; GCC makes a chain of 15 dependent scalar steps of the loops below).
 inline float hmax(NVec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)v);
+#else
   float t = v[0];
   for (int64_t l = 1; l < kNative; ++l) t = std::max(t, v[l]);
   return t;
+#endif
 }
 
-// Whether any lane of a compare's mask is set.
 inline bool any_lane(NIVec v) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)v, (__m512i)v) != 0;
+#else
   bool any = false;
   for (int64_t l = 0; l < kNative; ++l) any |= v[l] != 0;
   return any;
+#endif
 }
 
 inline float hsum(NVec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
   float t = 0.0f;
   for (int64_t l = 0; l < kNative; ++l) t += v[l];
   return t;
+#endif
 }
 
 // The lane sums of kNative native vectors as one vector (lane i: the sum of a[i]'s lanes). AVX-512: four
@@ -900,6 +916,9 @@ struct ChunkJob {
   int64_t base = 0, blocks = 0;
   float* kt = nullptr;
   float* vf = nullptr;
+  // bfloat16 blocks instead (LLMC_BF16_CHUNKS): keys as pairs of entries (2j, 2j + 1) transposed ([d / 2]
+  // [kKeyBlock] 32-bit pairs), values as pairs of rows (2t, 2t + 1) ([kKeyBlock / 2][d] pairs), in kt's and vf's room
+  bool bf16 = false;
 };
 
 NIVec lane_numbers() {
@@ -971,6 +990,81 @@ inline void group_values(const float (*p)[kKeyBlock], int64_t kn, const float* v
     for (int x = 0; x < CN; ++x) nstore(acc[r] + c0 + x * kNative, o[r][x]);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// Chunk attention's products in bfloat16 with float32 sums (vdpbf16ps: two products a lane an instruction, twice the
+// float32 FMA's): a CPU with AVX512_BF16. LLMC_ATTN_BF16=0 keeps them in float32.
+#define LLMC_BF16_CHUNKS 1
+
+// kNative floats as bfloat16 (rounded to nearest even), in order.
+inline __m256i to_bf16(NVec x) { return (__m256i)_mm512_cvtneps_pbh((__m512)x); }
+
+// Lane l: a[l]'s bfloat16 in the low half, b[l]'s in the high half (a pair for vdpbf16ps).
+inline __m512i bf16_pairs(NVec a, NVec b) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(to_bf16(a)), _mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(b)), 16));
+}
+
+inline NVec dot_pairs(NVec acc, __m512i a, __m512i b) { return (NVec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b); }
+
+// score_pass's in bfloat16: q's rows are dp pairs each, kt the block's keys as [dp][kKeyBlock] pairs.
+template <int P>
+inline void score_pass_bf16(const uint32_t* const* q, const uint32_t* kt, int64_t dp, float (&s)[kRowGroup][kKeyBlock], int64_t b0) {
+  NVec acc[kRowGroup][P] = {};
+  for (int64_t j = 0; j < dp; ++j) {
+    __m512i kv[P];
+#pragma GCC unroll 4
+    for (int b = 0; b < P; ++b) kv[b] = _mm512_loadu_si512(kt + j * kKeyBlock + (b0 + b) * kNative);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRowGroup; ++r) {
+      const __m512i qv = _mm512_set1_epi32(static_cast<int32_t>(q[r][j]));
+#pragma GCC unroll 4
+      for (int b = 0; b < P; ++b) acc[r][b] = dot_pairs(acc[r][b], kv[b], qv);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < P; ++b) nstore(&s[r][(b0 + b) * kNative], acc[r][b]);
+}
+
+inline void group_scores_bf16(const uint32_t* const* q, const uint32_t* kt, int64_t dp, float (&s)[kRowGroup][kKeyBlock], int64_t kn) {
+  const int64_t vecs = (kn + kNative - 1) / kNative;
+  int64_t b0 = 0;
+  for (; b0 + kPassVecs <= vecs; b0 += kPassVecs) score_pass_bf16<kPassVecs>(q, kt, dp, s, b0);
+  switch (vecs - b0) {
+    case 3: score_pass_bf16<3>(q, kt, dp, s, b0); break;
+    case 2: score_pass_bf16<2>(q, kt, dp, s, b0); break;
+    case 1: score_pass_bf16<1>(q, kt, dp, s, b0); break;
+    default: break;
+  }
+}
+
+// group_values's in bfloat16: p's rows are the weights as pairs (t = 2i, 2i + 1), vb the block's value rows as
+// [kKeyBlock / 2][d] pairs; tp pairs of rows.
+template <int CN>
+inline void group_values_bf16(const uint32_t (*p)[kKeyBlock / 2], int64_t tp, const uint32_t* vb, int64_t d, int64_t c0, float* const* acc) {
+  NVec o[kRowGroup][CN];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < CN; ++x) o[r][x] = nload(acc[r] + c0 + x * kNative);
+  for (int64_t t = 0; t < tp; ++t) {
+    __m512i vv[CN];
+#pragma GCC unroll 4
+    for (int x = 0; x < CN; ++x) vv[x] = _mm512_loadu_si512(vb + t * d + c0 + x * kNative);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRowGroup; ++r) {
+      const __m512i pr = _mm512_set1_epi32(static_cast<int32_t>(p[r][t]));
+#pragma GCC unroll 4
+      for (int x = 0; x < CN; ++x) o[r][x] = dot_pairs(o[r][x], vv[x], pr);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRowGroup; ++r)
+#pragma GCC unroll 4
+    for (int x = 0; x < CN; ++x) nstore(acc[r] + c0 + x * kNative, o[r][x]);
+}
+#endif
+
 #if defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
@@ -1029,6 +1123,20 @@ void prepare_block(void* data, size_t t) {
   const int64_t g = static_cast<int64_t>(t) / job.blocks, b = static_cast<int64_t>(t) % job.blocks, d = job.d;
   const int64_t k0 = job.base + b * kKeyBlock, kn = std::min(kKeyBlock, job.p0 + job.rows - k0);
   const int64_t at = (g * job.blocks + b) * d * kKeyBlock;
+#if LLMC_BF16_CHUNKS
+  if (job.bf16) {
+    const T* k = job.k + (g * job.c + k0) * d;
+    alignas(64) uint16_t rows[kKeyBlock * kMaxHeadSize];  // the keys' rows in bfloat16: pairs of entries, then transposed
+    for (int64_t i = 0; i < kn * d; i += kNative) _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + i), to_bf16(nload16(k + i)));
+    transpose_keys(reinterpret_cast<const float*>(rows), kn, d / 2, job.kt + at);  // 32-bit pairs moved as they are
+    const T* v = job.v + (g * job.c + k0) * d;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(job.vf + at);
+    for (int64_t t = 0; t < kn; t += 2)
+      for (int64_t j = 0; j < d; j += kNative)
+        _mm512_storeu_si512(dst + (t / 2) * d + j, bf16_pairs(nload16(v + t * d + j), t + 1 < kn ? nload16(v + (t + 1) * d + j) : NVec{}));
+    return;
+  }
+#endif
   transpose_keys(job.k + (g * job.c + k0) * d, kn, d, job.kt + at);
   if (job.vf != nullptr) {
     const T* src = job.v + (g * job.c + k0) * d;
@@ -1049,6 +1157,16 @@ void attend_chunk(void* data, size_t t) {
   std::vector<char> nan(static_cast<size_t>(n), 0);
   alignas(64) float pb[kRowGroup][kKeyBlock];
   auto qrow = [&](int64_t r) { return job.q + (i0 + r / job.group) * hd + (g * job.group + r % job.group) * d; };
+#if LLMC_BF16_CHUNKS
+  alignas(64) uint32_t pp[kRowGroup][kKeyBlock / 2];  // the weights as bfloat16 pairs
+  thread_local std::vector<uint32_t> qp;  // the task's query rows as bfloat16 pairs, d / 2 a row
+  if (job.bf16) {
+    grow(qp, n * d / 2);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = 0; j < d; j += kNative)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(qp.data() + r * d / 2) + j), to_bf16(nload(qrow(r) + j)));
+  }
+#endif
   const T* vg = job.v + g * job.c * d;
   const int64_t last = job.p0 + i1 - 1, first = job.window > 0 ? std::max<int64_t>(0, job.p0 + i0 + 1 - job.window) : 0;
   // the blocks from the one holding first (a window's first position need not start one; the rows' masks drop what
@@ -1065,13 +1183,23 @@ void attend_chunk(void* data, size_t t) {
         as[rr] = acc.data() + (r0 + rr) * d;  // rows past n: padding, given zero weights
       }
       alignas(64) float sc[kRowGroup][kKeyBlock];
-      group_scores(qs, kt, d, sc, kn);
+#if LLMC_BF16_CHUNKS
+      if (job.bf16) {
+        const uint32_t* qq[kRowGroup];
+        for (int rr = 0; rr < kRowGroup; ++rr) qq[rr] = qp.data() + std::min(r0 + rr, n - 1) * d / 2;
+        group_scores_bf16(qq, reinterpret_cast<const uint32_t*>(kt), d / 2, sc, kn);
+      } else
+#endif
+        group_scores(qs, kt, d, sc, kn);
       for (int rr = 0; rr < kRowGroup; ++rr) {
         const int64_t r = r0 + rr, pos = job.p0 + i0 + r / job.group;
         const int64_t tb = job.window > 0 ? std::max<int64_t>(0, pos + 1 - job.window - k0) : 0, te = std::min(kn, pos + 1 - k0);
         float* pr = pb[rr];
         if (r >= n || te <= tb) {  // nothing of this block for the row
           std::fill(pr, pr + kKeyBlock, 0.0f);
+#if LLMC_BF16_CHUNKS
+          std::fill(pp[rr], pp[rr] + kKeyBlock / 2, 0u);
+#endif
           continue;
         }
         // the row's scores in [tb, te) (the others -inf, then weight 0): maximum, e^(s - max) and their sum, a
@@ -1089,7 +1217,7 @@ void attend_chunk(void* data, size_t t) {
           top = top > x ? top : x;
           nstore(&sc[rr][b * kNative], x);
         }
-        const float grown = std::max(m[r], hmax(top)), rescale = std::exp(m[r] - grown);
+        const float grown = std::max(m[r], hmax(top)), rescale = vexp(nsplat(m[r] - grown))[0];  // (no call to expf)
         nan[r] |= any_lane(bad);
         NVec sum = {};
         for (int64_t b = 0; b < kKeyNative; ++b) {
@@ -1097,6 +1225,12 @@ void attend_chunk(void* data, size_t t) {
           NVec e = vexp(x - grown);
           if (!whole) e = x == -INFINITY ? NVec{} : e;
           sum += e;
+#if LLMC_BF16_CHUNKS
+          if (job.bf16) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(pp[rr]) + b * kNative), to_bf16(e));
+            continue;
+          }
+#endif
           nstore(pr + b * kNative, e);
         }
         l[r] = l[r] * rescale + hsum(sum);
@@ -1105,6 +1239,20 @@ void attend_chunk(void* data, size_t t) {
           for (int64_t j = 0; j < d; j += kNative) nstore(as[rr] + j, nload(as[rr] + j) * rescale);
       }
       int64_t c0 = 0;
+#if LLMC_BF16_CHUNKS
+      if (job.bf16) {
+        const uint32_t* vp = reinterpret_cast<const uint32_t*>(vb);
+        const int64_t tp = (kn + 1) / 2;
+        for (; c0 + kPassVecs * kNative <= d; c0 += kPassVecs * kNative) group_values_bf16<kPassVecs>(pp, tp, vp, d, c0, as);
+        switch ((d - c0) / kNative) {
+          case 3: group_values_bf16<3>(pp, tp, vp, d, c0, as); break;
+          case 2: group_values_bf16<2>(pp, tp, vp, d, c0, as); break;
+          case 1: group_values_bf16<1>(pp, tp, vp, d, c0, as); break;
+          default: break;
+        }
+        continue;
+      }
+#endif
       for (; c0 + kPassVecs * kNative <= d; c0 += kPassVecs * kNative) group_values<kPassVecs>(pb, kn, vb, d, c0, as);
       switch ((d - c0) / kNative) {
         case 3: group_values<3>(pb, kn, vb, d, c0, as); break;
@@ -1188,9 +1336,16 @@ template <typename T>
 struct AttentionKernel {
   int64_t heads, kv_heads, rotary, window;
   float scale;
+  // a chunk's products in bfloat16: where the node says bf16=1 (the W8A8 programs'), on a CPU with AVX512_BF16
+  // (LLMC_BF16_CHUNKS), unless LLMC_ATTN_BF16=0 (read when a kernel is made)
+  bool bf16 = false;
 
   AttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
+#if LLMC_BF16_CHUNKS
+    const char* env = std::getenv("LLMC_ATTN_BF16");
+    bf16 = attribute_or<int64_t>(ki, "bf16", 0) != 0 && (env == nullptr || std::strcmp(env, "0") != 0);
+#endif
     heads = ki.GetAttribute<int64_t>("num_heads");
     kv_heads = ki.GetAttribute<int64_t>("kv_num_heads");
     scale = ki.GetAttribute<float>("scale");
@@ -1267,7 +1422,8 @@ struct AttentionKernel {
       thread_local std::vector<float> kt, vf;
       grow(kt, kv_heads * job.blocks * d * kKeyBlock);
       job.kt = kt.data();
-      if constexpr (!std::is_same_v<T, float>) {
+      job.bf16 = bf16;
+      if (!std::is_same_v<T, float> || bf16) {
         grow(vf, kv_heads * job.blocks * d * kKeyBlock);
         job.vf = vf.data();
       }
