@@ -133,6 +133,7 @@ class _Builder:
         # a W8A8 program (the npu target's): its native attention may multiply in bfloat16 (bf16=1), a rounding well
         # under the 8-bit one its output gets as o_proj's input; the float32 programs' attention stays float32
         self.bf16_attention = native and any(n.op == "QLinear" for n in graph.nodes)
+        self.bf16_nodes = 0  # the attention nodes given bf16=1
         self.graph = graph
         self.sub = sub
         self.rows = rows
@@ -901,6 +902,7 @@ class _DecodeBuilder(_Builder):
             op = "DecodeAttentionInt8" if "k_scale" in n.weights else "DecodeAttentionFloat16" if half else "DecodeAttention"
             if self.bf16_attention:
                 attrs["bf16"] = 1
+                self.bf16_nodes += 1
             self.add(op, ins, [y[0] if flat else f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=NATIVE_DOMAIN, **attrs)
         else:
             self.add("GroupQueryAttention", ins, [f"{p}.bsd", kv["present_key"], kv["present_value"]], p, domain=MS_DOMAIN, **attrs)
@@ -1005,4 +1007,6 @@ def _write(graph: Graph, sub: Subgraph, builders: list[_Builder], weights: dict[
         mine = [w for w in used if w in names]
         if mine:
             entry[key] = mine
+    if any(b.bf16_nodes for b in builders):  # its chunks' attention multiplies in bfloat16 on CPUs with AVX512_BF16
+        entry["bf16_attention"] = True
     return entry

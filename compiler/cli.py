@@ -764,6 +764,8 @@ def bench(bundle, prompt_len, new_tokens, repeat, prompt_file, provider, threads
     if r.packed_weight_bytes:
         click.echo(f"  packed   the decode graph's W8A8 weights copied into their ops' layout (AVX-512 VNNI): "
                    f"{r.packed_weight_bytes / 1e6:.1f} MB; LLMC_W8_PACK=0 reads them as stored")
+    if r.bf16_attention:
+        click.echo("  bf16     a chunk's attention multiplies in bfloat16 with float32 sums (AVX512_BF16); LLMC_ATTN_BF16=0 keeps float32")
     if r.int8_kernels:
         click.echo(f"  int8     {_INT8_KERNELS[r.int8_kernels]}")
         if r.int8_kernels == "u8u8" and sess.weight_bits == 8 and not r.offload:

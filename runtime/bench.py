@@ -55,6 +55,7 @@ class BenchResult:
     prompt: str = ""  # where the prompt's tokens came from (Prompt.source)
     native_kernels: str | None = None  # the library of llmc's native ops a --cpu-kernels native bundle ran, else None
     packed_weight_bytes: int = 0  # Session.packed_weight_bytes: the decode graph's W8A8 weights copied into their ops' layout
+    bf16_attention: bool = False  # Session.bf16_attention: a chunk's attention products in bfloat16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,7 @@ def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat:
         prompt=prompt.source,
         native_kernels=str(session.native_kernels) if session.native_kernels is not None else None,
         packed_weight_bytes=session.packed_weight_bytes,
+        bf16_attention=session.bf16_attention,
     )
 
 

@@ -384,6 +384,14 @@ class Session:
         return total
 
     @property
+    def bf16_attention(self) -> bool:
+        """Whether a chunk's attention multiplies in bfloat16 (float32 sums): graphs whose native attention says so
+        (``bf16``: a W8A8 program's), on a CPU with AVX512_BF16, unless ``LLMC_ATTN_BF16=0``."""
+        if self.native_kernels is None or os.environ.get("LLMC_ATTN_BF16") == "0" or "avx512_bf16" not in cpu_flags():
+            return False
+        return any(g.get("bf16_attention") for g in self.graphs.values())
+
+    @property
     def counts_outliers(self) -> bool:
         """Whether prefill's shadow corrections run in Python and count the outliers they see
         (``outlier_counts``); the CPU program and the chunk graph correct inside their graphs, uncounted. Scoring

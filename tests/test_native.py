@@ -1410,6 +1410,35 @@ def test_bench_reports_the_packed_copy_of_the_decode_weights(npu_pair, monkeypat
     assert Session(npu_pair["onnx"], "cpu", lazy=True).packed_weight_bytes == 0  # no native ops
 
 
+def test_bench_reports_bfloat16_attention(npu_pair, monkeypatch):
+    """The manifest marks the graphs whose native attention has bf16=1 (the decode graph of a W8A8 bundle); a session
+    says its chunks' attention multiplies in bfloat16 where the CPU has AVX512_BF16 and LLMC_ATTN_BF16 is not 0, and
+    `llmc bench` says so; elsewhere not, and no line."""
+    from click.testing import CliRunner
+
+    from llmc import runtime
+    from llmc.cli import cli
+    from llmc.runtime import Session
+
+    m = json.loads((npu_pair["native"] / "manifest.json").read_text())
+    marked = {g for g, e in m["graphs"].items() if e.get("bf16_attention")}
+    with_attr = {g.rsplit(".r", 1)[0] for g, e in m["graphs"].items() for i in e["instances"].values()
+                 for n in _nodes(npu_pair["native"], i["file"].removeprefix("graphs/").removesuffix(".onnx"))
+                 if n.op_type.startswith("DecodeAttention") and any(a.name == "bf16" and a.i == 1 for a in n.attribute)}
+    assert marked == with_attr == {m["decode_graph"]}
+    line = "bf16     a chunk's attention multiplies in bfloat16 with float32 sums (AVX512_BF16); LLMC_ATTN_BF16=0 keeps float32"
+    for flags, env, expect in ((("avx512_bf16",), None, True), (("avx512_bf16",), "0", False), (("avx512f",), None, False)):
+        monkeypatch.setattr(runtime.session, "cpu_flags", lambda flags=flags: frozenset(flags))
+        if env is None:
+            monkeypatch.delenv("LLMC_ATTN_BF16", raising=False)
+        else:
+            monkeypatch.setenv("LLMC_ATTN_BF16", env)
+        assert Session(npu_pair["native"], "cpu", lazy=True).bf16_attention == expect
+        out = CliRunner().invoke(cli, ["bench", str(npu_pair["native"]), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1"]).output
+        assert (line in out) == expect, out
+    assert not Session(npu_pair["onnx"], "cpu", lazy=True).bf16_attention  # no native ops
+
+
 def test_compile_warns_when_the_kernels_are_not_built(model_dirs, tmp_path, monkeypatch, caplog):
     """--cpu-kernels native where the kernels are not built: the bundle is written, with a warning that it will
     not run here until `llmc kernels build`."""
