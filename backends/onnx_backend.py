@@ -1007,6 +1007,6 @@ def _write(graph: Graph, sub: Subgraph, builders: list[_Builder], weights: dict[
         mine = [w for w in used if w in names]
         if mine:
             entry[key] = mine
-    if any(b.bf16_nodes for b in builders):  # its chunks' attention multiplies in bfloat16 on CPUs with AVX512_BF16
+    if any(b.bf16_nodes and b.rows > 1 for b in builders):  # its chunks' attention multiplies in bfloat16 (AVX512_BF16)
         entry["bf16_attention"] = True
     return entry

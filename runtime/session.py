@@ -26,7 +26,7 @@ import numpy as np
 
 from llmc.runtime import kernels, native
 from llmc.runtime.binding import BoundGraph
-from llmc.runtime.cpu import cpu_flags, int8_session_options, session_kwargs, u8s8_exact_for
+from llmc.runtime.cpu import int8_session_options, session_kwargs, u8s8_exact_for
 from llmc.runtime.decode_graph import ChunkGraphRunner, DecodeGraphRunner
 from llmc.runtime.errors import BundleError, PromptError, PromptTooLongError, ProviderError, TokenIdError
 from llmc.runtime.manifest import SHAPE_ERRORS, load_manifest, map_weights, resolve_inside, shape_error
@@ -371,10 +371,11 @@ class Session:
     @property
     def packed_weight_bytes(self) -> int:
         """The bytes of the copies the decode graph's native ``W8A8MatMul`` ops make of their weights, in the layout
-        their loop reads (``pack``; on CPUs with AVX-512 VNNI, unless ``LLMC_W8_PACK=0``): 0 when they make none."""
+        their loop reads (``pack``; with a library built for AVX-512 VNNI, unless ``LLMC_W8_PACK=0``, which the kernels
+        read when the session is made): 0 when they make none."""
         if self._decode_graph is None or self.native_kernels is None or os.environ.get("LLMC_W8_PACK") == "0":
             return 0
-        if not {"avx512_vnni", "avx512bw"} <= cpu_flags():
+        if "w8_pack" not in native.features(self.native_kernels):
             return 0
         total = 0
         for name in self.graphs[self._decode_graph].get("packed", []):
@@ -385,9 +386,12 @@ class Session:
 
     @property
     def bf16_attention(self) -> bool:
-        """Whether a chunk's attention multiplies in bfloat16 (float32 sums): graphs whose native attention says so
-        (``bf16``: a W8A8 program's), on a CPU with AVX512_BF16, unless ``LLMC_ATTN_BF16=0``."""
-        if self.native_kernels is None or os.environ.get("LLMC_ATTN_BF16") == "0" or "avx512_bf16" not in cpu_flags():
+        """Whether a chunk's attention multiplies in bfloat16 (float32 sums): graphs whose native chunk attention says
+        so (``bf16``: a W8A8 program's), with a library built for AVX512_BF16, unless ``LLMC_ATTN_BF16=0`` (which the
+        kernels read when the session is made)."""
+        if self.native_kernels is None or os.environ.get("LLMC_ATTN_BF16") == "0":
+            return False
+        if "bf16_chunks" not in native.features(self.native_kernels):
             return False
         return any(g.get("bf16_attention") for g in self.graphs.values())
 

@@ -53,8 +53,10 @@ def test_float16_cache_bundle_matches_the_interpreter_and_the_float32_bundle(mod
     assert m["pipeline"].startswith("float16_kv_cache,")
     ops = _ops(out["float16"])
     assert "DecodeAttentionFloat16" in ops[f"{m['decode_graph']}.r1"] and "DecodeAttention" not in ops[f"{m['decode_graph']}.r1"]
-    # a float32 program's attention multiplies in float32 (no bf16 attribute: that is the W8A8 programs')
-    assert not any(a.name == "bf16" for n in _nodes(out["float16"], f"{m['decode_graph']}.r1") for a in n.attribute)
+    # a float32 program's attention multiplies in float32 (no bf16 attribute: that is the W8A8 programs'), in every instance
+    instances = [f"{m['decode_graph']}.r{i['rows']}" for i in m["graphs"][m["decode_graph"]]["instances"].values()]
+    assert not any(a.name == "bf16" for g in instances for n in _nodes(out["float16"], g) for a in n.attribute)
+    assert not m["graphs"][m["decode_graph"]].get("bf16_attention")
     chunked = f"{m['decode_graph']}.r{CHUNK}" in ops
     assert chunked == (family == "llama")
     ids = _ids(2 * CHUNK + 7)

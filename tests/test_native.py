@@ -187,7 +187,7 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path, m
     (LLMC_ATTN_BF16=0; in bfloat16, where the CPU has them, the logits stay within 5% of the largest, as 8-bit
     codes move by one here and there); every CPU graph with a correction has the native op and none of the stock
     correction's ops."""
-    from llmc.runtime import Session
+    from llmc.runtime import Session, native
 
     m = json.loads((npu_pair["native"] / "manifest.json").read_text())
     assert m["cpu_kernels"] == "native" and "cpu_kernels" not in json.loads((npu_pair["onnx"] / "manifest.json").read_text())
@@ -254,6 +254,8 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path, m
     for a, b, c in zip(logits["native"], logits["onnx"], logits["bf16"]):
         np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, np.abs(b).max()))
         np.testing.assert_allclose(c, b, atol=5e-2 * max(1.0, np.abs(b).max()))
+    if "bf16_chunks" in native.features(native.library_path()):  # the prompt's chunks did multiply in bfloat16
+        assert not np.array_equal(logits["bf16"][0], logits["native"][0])
 
 
 @pytest.mark.parametrize("options", [{"weight_granularity": "tensor"}, {"shadow": False}])
@@ -599,14 +601,12 @@ def test_decode_attention_against_numpy(native_kernels, d, heads, kv, cache, fla
 
 
 @pytest.mark.parametrize("cache", ["int8", "float16"])
-def test_chunk_rows_enter_the_cache_as_single_rows_do(native_kernels, cache, monkeypatch):
+def test_chunk_rows_enter_the_cache_as_single_rows_do(native_kernels, cache):
     """A chunk's new rows, rotated and written into the caches in blocks on ONNX Runtime's pool (57 rows of 6 + 2 x 2
     heads of 80 columns), land in the caches bit for bit as the same rows sent one at a time (the decode path) put
     them, and the chunk's outputs match the single rows' (an int8 cache: queries times K's scales, codes of
-    rint(x / scale)); the chunk's products in float32 (LLMC_ATTN_BF16=0), as a single row's are."""
+    rint(x / scale))."""
     from onnx import TensorProto, helper
-
-    monkeypatch.setenv("LLMC_ATTN_BF16", "0")
     from onnx.helper import np_dtype_to_tensor_dtype
 
     heads, kv, d, cap, p0, rows = 6, 2, 80, 128, 9, 57
@@ -650,7 +650,7 @@ def test_chunk_rows_enter_the_cache_as_single_rows_do(native_kernels, cache, mon
 @pytest.mark.parametrize("d,window,cache,rows,p0", [(32, 0, "float32", 21, 70), (80, 0, "float32", 21, 70), (32, 30, "float32", 21, 70),
                                                    (32, 0, "float16", 21, 70), (80, 30, "float16", 21, 70), (80, 0, "float16", 57, 70),
                                                    (32, 100, "float16", 57, 200)])
-def test_chunk_attention_against_numpy(native_kernels, d, window, cache, rows, p0, monkeypatch):
+def test_chunk_attention_against_numpy(native_kernels, d, window, cache, rows, p0):
     """DecodeAttention (and DecodeAttentionFloat16) at 21 rows (two blocks of positions, 3 query heads per KV head:
     row groups that end part-filled) after 70 cached positions (two blocks of keys): the rows land at their
     positions, each row attends causally to the positions up to its own (with a window, the last 30 of them), over
@@ -658,11 +658,10 @@ def test_chunk_attention_against_numpy(native_kernels, d, window, cache, rows, p
     57 rows of 80 columns: enough that blocks of the new rows are written to the caches on ONNX Runtime's pool.
     57 rows after 200 positions in a window of 100: the rows' windows start in different blocks of keys, none at the
     start of one (the call's key blocks are made once, from the earliest row's window start). Products in float32
-    (LLMC_ATTN_BF16=0; test_chunk_attention_products_in_bfloat16 has the other way)."""
+    (no bf16 attribute: test_chunk_attention_products_in_bfloat16 has the other way)."""
     from onnx import TensorProto, helper
     from onnx.helper import np_dtype_to_tensor_dtype
 
-    monkeypatch.setenv("LLMC_ATTN_BF16", "0")
     heads, kv, cap = 6, 2, 128 if p0 + rows <= 128 else 320
     p = p0 + rows - 1
     vi = helper.make_tensor_value_info
@@ -710,7 +709,8 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("cache,d,window,rows,p0", [("float16", 80, 0, 57, 70), ("float16", 32, 100, 57, 200), ("float16", 64, 0, 21, 0),
-                                                    ("int8", 48, 0, 21, 70), ("int8", 64, 30, 57, 9), ("float32", 16, 0, 21, 70)])
+                                                    ("int8", 48, 0, 21, 70), ("int8", 64, 30, 57, 9), ("float32", 16, 0, 21, 70),
+                                                    ("float16", 64, 0, 40, 1)])
 def test_chunk_attention_products_in_bfloat16(native_kernels, cache, d, window, rows, p0, monkeypatch):
     """With bf16=1 (a W8A8 program's attention), on a CPU with AVX512_BF16, a chunk's products are bfloat16 ones
     with float32 sums: the output is numpy's with the queries (an int8 cache: times K's scales), the keys, the
@@ -718,11 +718,11 @@ def test_chunk_attention_products_in_bfloat16(native_kernels, cache, d, window, 
     running maximum, as the kernel does), and not the float32 path's, which the node takes without the attribute
     or with LLMC_ATTN_BF16=0. Odd key counts in a block (pairs of value rows end in a zero row), windows, a chunk
     at position 0, float16, int8 and float32 caches. Without the instructions bf16=1 is the float32 path, bit for
-    bit. A NaN query still makes its row and head NaN."""
+    bit. A NaN query still makes its row and head NaN, and an infinite value past a task's rows none of them."""
     from onnx import TensorProto, helper
     from onnx.helper import np_dtype_to_tensor_dtype
 
-    from llmc.runtime.cpu import cpu_flags
+    from llmc.runtime.native import features
 
     heads, kv, scale = 6, 2, 0.2
     cap, p = 320, p0 + rows - 1
@@ -759,7 +759,7 @@ def test_chunk_attention_products_in_bfloat16(native_kernels, cache, d, window, 
     monkeypatch.delenv("LLMC_ATTN_BF16")
     sess = _session(model(bf16=1), native_kernels)
     o = sess.run(None, feeds)[0]
-    if "avx512_bf16" not in cpu_flags():
+    if "bf16_chunks" not in features(native_kernels):
         np.testing.assert_array_equal(o, exact)
         return
     assert not np.array_equal(o, exact)
@@ -777,17 +777,26 @@ def test_chunk_attention_products_in_bfloat16(native_kernels, cache, d, window, 
                 at = slice(max(k0, lo), min(k0 + 64, pos + 1))
                 s = (_bf16(K[h // 3, at]) @ qq) * scale
                 grown = max(top, s.max())
-                w = np.exp(s - grown)
-                total = total * np.exp(top - grown) + w.sum()
-                acc = acc * np.exp(top - grown) + _bf16(w.astype(np.float32)) @ _bf16(V[h // 3, at])
+                w = _bf16(np.exp(s - grown).astype(np.float32))
+                total = total * np.exp(top - grown) + w.sum()  # of the rounded weights: a weighted mean of the rows
+                acc = acc * np.exp(top - grown) + w @ _bf16(V[h // 3, at])
                 top = grown
             ref = acc / total * (vs[0, h // 3, 0] if int8 else 1.0)
             np.testing.assert_allclose(o[i, h], ref, rtol=0, atol=2e-4 * np.abs(ref).max())
-    q[0, 3, d + 1] = np.nan  # row 3, head 1
-    o = sess.run(None, {**feeds, "q": q})[0].reshape(rows, heads, d)
+    q2 = q.copy()
+    q2[0, 3, d + 1] = np.nan  # row 3, head 1
+    o = sess.run(None, {**feeds, "q": q2})[0].reshape(rows, heads, d)
     assert np.isnan(o[3, 1]).all()
     o[3, 1] = 0
     assert np.isfinite(o).all()
+    # an odd p0: the first task's block of keys ends at an odd count (16 rows a task), so its last pair of value rows
+    # ends at position p0 + 16, the next task's first row; an infinity there (at weight 0) turns no row of the first
+    # task NaN (an int8 cache holds no infinity)
+    if p0 % 2 and cache != "int8":
+        v2 = v.copy()
+        v2[0, 16, 5] = np.inf
+        o = sess.run(None, {**feeds, "v": v2})[0].reshape(rows, heads, d)
+        assert np.isfinite(o[:16]).all() and not np.isfinite(o[16:]).all()
 
 
 def test_float16_cache_rows_round_as_numpy(native_kernels):
@@ -1385,8 +1394,8 @@ def test_inspect_and_bench_name_the_native_kernels(npu_pair, native_kernels):
 
 def test_bench_reports_the_packed_copy_of_the_decode_weights(npu_pair, monkeypatch):
     """The manifest lists the decode graph's packed weights (its W8A8MatMul ops' with pack=1); a session counts their
-    copies' bytes (blocks of 64 columns, K in whole groups of four, and the columns' sums) where the CPU has AVX-512 VNNI
-    and LLMC_W8_PACK is not 0, and `llmc bench` says so; elsewhere 0 and no line."""
+    copies' bytes (blocks of 64 columns, K in whole groups of four, and the columns' sums) where the library was built
+    for AVX-512 VNNI and LLMC_W8_PACK is not 0, and `llmc bench` says so; elsewhere 0 and no line."""
     from click.testing import CliRunner
 
     from llmc import runtime
@@ -1398,8 +1407,8 @@ def test_bench_reports_the_packed_copy_of_the_decode_weights(npu_pair, monkeypat
     assert m["graphs"][m["decode_graph"]]["packed"] == [n.input[1] for n in w8]
     shapes = [m["weights"][n.input[1]]["shape"] for n in w8]
     want = sum(-(-k // 4) * 4 * -(-n // 64) * 64 + -(-n // 64) * 64 * 4 for k, n in shapes)
-    for flags, env, expect in ((("avx512_vnni", "avx512bw"), None, want), (("avx512_vnni", "avx512bw"), "0", 0), (("avx2",), None, 0)):
-        monkeypatch.setattr(runtime.session, "cpu_flags", lambda flags=flags: frozenset(flags))
+    for flags, env, expect in ((("w8_pack",), None, want), (("w8_pack",), "0", 0), (("bf16_chunks",), None, 0)):
+        monkeypatch.setattr(runtime.native, "features", lambda path, flags=flags: frozenset(flags))
         if env is None:
             monkeypatch.delenv("LLMC_W8_PACK", raising=False)
         else:
@@ -1412,8 +1421,8 @@ def test_bench_reports_the_packed_copy_of_the_decode_weights(npu_pair, monkeypat
 
 def test_bench_reports_bfloat16_attention(npu_pair, monkeypatch):
     """The manifest marks the graphs whose native attention has bf16=1 (the decode graph of a W8A8 bundle); a session
-    says its chunks' attention multiplies in bfloat16 where the CPU has AVX512_BF16 and LLMC_ATTN_BF16 is not 0, and
-    `llmc bench` says so; elsewhere not, and no line."""
+    says its chunks' attention multiplies in bfloat16 where the library was built for AVX512_BF16 and LLMC_ATTN_BF16 is
+    not 0, and `llmc bench` says so; elsewhere not, and no line."""
     from click.testing import CliRunner
 
     from llmc import runtime
@@ -1427,8 +1436,8 @@ def test_bench_reports_bfloat16_attention(npu_pair, monkeypatch):
                  if n.op_type.startswith("DecodeAttention") and any(a.name == "bf16" and a.i == 1 for a in n.attribute)}
     assert marked == with_attr == {m["decode_graph"]}
     line = "bf16     a chunk's attention multiplies in bfloat16 with float32 sums (AVX512_BF16); LLMC_ATTN_BF16=0 keeps float32"
-    for flags, env, expect in ((("avx512_bf16",), None, True), (("avx512_bf16",), "0", False), (("avx512f",), None, False)):
-        monkeypatch.setattr(runtime.session, "cpu_flags", lambda flags=flags: frozenset(flags))
+    for flags, env, expect in ((("bf16_chunks",), None, True), (("bf16_chunks",), "0", False), (("w8_pack",), None, False)):
+        monkeypatch.setattr(runtime.native, "features", lambda path, flags=flags: frozenset(flags))
         if env is None:
             monkeypatch.delenv("LLMC_ATTN_BF16", raising=False)
         else:

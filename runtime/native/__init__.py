@@ -43,6 +43,7 @@ ONNX Runtime library and any ONNX Runtime with that API version or a later one l
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -134,6 +135,22 @@ def library_path() -> Path | None:
         return Path(given) if Path(given).is_file() else None
     path = cache_dir() / library_name()
     return path if path.is_file() else None
+
+
+@functools.lru_cache(maxsize=None)
+def features(path: Path) -> frozenset[str]:
+    """What the library at ``path`` was built to do beyond the portable paths (its ``llmc_features``): ``"w8_pack"``,
+    W8A8MatMul's packed copy of its weights (``pack=1``; AVX-512 VNNI), and ``"bf16_chunks"``, chunk attention's
+    bfloat16 products (``bf16=1``; AVX512_BF16). Empty for a library without the query (built from older source)."""
+    import ctypes
+
+    try:
+        query = ctypes.CDLL(str(path)).llmc_features
+    except (OSError, AttributeError):
+        return frozenset()
+    query.restype = ctypes.c_uint
+    bits = query()
+    return frozenset(name for bit, name in ((1, "w8_pack"), (2, "bf16_chunks")) if bits & bit)
 
 
 def require_library() -> Path:

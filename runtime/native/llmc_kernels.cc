@@ -912,7 +912,7 @@ struct ChunkJob {
   float scale;
   // the call's key blocks, made once before the tasks (every task of a KV head reads them): block b covers positions
   // base + b * kKeyBlock on, transposed ([KV][blocks][d][kKeyBlock]), and its value rows as floats ([KV][blocks]
-  // [kKeyBlock][d]; null for a float32 cache, whose rows are read where they are)
+  // [kKeyBlock][d]; null for a float32 cache without bf16, whose rows are read where they are)
   int64_t base = 0, blocks = 0;
   float* kt = nullptr;
   float* vf = nullptr;
@@ -1039,9 +1039,12 @@ inline void group_scores_bf16(const uint32_t* const* q, const uint32_t* kt, int6
 }
 
 // group_values's in bfloat16: p's rows are the weights as pairs (t = 2i, 2i + 1), vb the block's value rows as
-// [kKeyBlock / 2][d] pairs; tp pairs of rows.
+// [kKeyBlock / 2][d] pairs; tp pairs of rows, the last one's second row dropped when odd (its weight is 0, but the row
+// may hold an infinity, and 0 x inf is NaN).
 template <int CN>
-inline void group_values_bf16(const uint32_t (*p)[kKeyBlock / 2], int64_t tp, const uint32_t* vb, int64_t d, int64_t c0, float* const* acc) {
+inline void group_values_bf16(const uint32_t (*p)[kKeyBlock / 2], int64_t tp, bool odd, const uint32_t* vb, int64_t d, int64_t c0,
+                              float* const* acc) {
+  const __m512i low = _mm512_set1_epi32(0xffff);
   NVec o[kRowGroup][CN];
 #pragma GCC unroll 8
   for (int r = 0; r < kRowGroup; ++r)
@@ -1051,6 +1054,8 @@ inline void group_values_bf16(const uint32_t (*p)[kKeyBlock / 2], int64_t tp, co
     __m512i vv[CN];
 #pragma GCC unroll 4
     for (int x = 0; x < CN; ++x) vv[x] = _mm512_loadu_si512(vb + t * d + c0 + x * kNative);
+    if (odd && t == tp - 1)
+      for (int x = 0; x < CN; ++x) vv[x] = _mm512_and_si512(vv[x], low);
 #pragma GCC unroll 8
     for (int r = 0; r < kRowGroup; ++r) {
       const __m512i pr = _mm512_set1_epi32(static_cast<int32_t>(p[r][t]));
@@ -1224,13 +1229,15 @@ void attend_chunk(void* data, size_t t) {
           const NVec x = nload(&sc[rr][b * kNative]);
           NVec e = vexp(x - grown);
           if (!whole) e = x == -INFINITY ? NVec{} : e;
-          sum += e;
 #if LLMC_BF16_CHUNKS
-          if (job.bf16) {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(pp[rr]) + b * kNative), to_bf16(e));
+          if (job.bf16) {  // the weights as rounded, and their sum: the output a weighted mean of the value rows
+            const __m256i h = to_bf16(e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(pp[rr]) + b * kNative), h);
+            sum += (NVec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
             continue;
           }
 #endif
+          sum += e;
           nstore(pr + b * kNative, e);
         }
         l[r] = l[r] * rescale + hsum(sum);
@@ -1243,11 +1250,12 @@ void attend_chunk(void* data, size_t t) {
       if (job.bf16) {
         const uint32_t* vp = reinterpret_cast<const uint32_t*>(vb);
         const int64_t tp = (kn + 1) / 2;
-        for (; c0 + kPassVecs * kNative <= d; c0 += kPassVecs * kNative) group_values_bf16<kPassVecs>(pp, tp, vp, d, c0, as);
+        const bool odd = kn % 2 != 0;  // the last pair's high half: position kn, past the task's (another task's row)
+        for (; c0 + kPassVecs * kNative <= d; c0 += kPassVecs * kNative) group_values_bf16<kPassVecs>(pp, tp, odd, vp, d, c0, as);
         switch ((d - c0) / kNative) {
-          case 3: group_values_bf16<3>(pp, tp, vp, d, c0, as); break;
-          case 2: group_values_bf16<2>(pp, tp, vp, d, c0, as); break;
-          case 1: group_values_bf16<1>(pp, tp, vp, d, c0, as); break;
+          case 3: group_values_bf16<3>(pp, tp, odd, vp, d, c0, as); break;
+          case 2: group_values_bf16<2>(pp, tp, odd, vp, d, c0, as); break;
+          case 1: group_values_bf16<1>(pp, tp, odd, vp, d, c0, as); break;
           default: break;
         }
         continue;
@@ -1418,7 +1426,7 @@ struct AttentionKernel {
       job.base = window > 0 ? std::max<int64_t>(0, p0 + 1 - window) : 0;
       job.blocks = (p0 + rows - job.base + kKeyBlock - 1) / kKeyBlock;
       // this thread's, kept across calls: the chunk's keys and values as floats, KV heads x positions x d x 4 bytes
-      // each (SmolLM2 at 2,048 positions: 1.5 MB; the float16 cache of one layer x 2)
+      // each (SmolLM2 at 2,048 positions: 1.5 MB; the float16 cache of one layer x 2), or as bfloat16 in half of that
       thread_local std::vector<float> kt, vf;
       grow(kt, kv_heads * job.blocks * d * kKeyBlock);
       job.kt = kt.data();
@@ -2485,6 +2493,19 @@ std::mutex domains_mutex;
 std::vector<Ort::CustomOpDomain> domains;  // alive as long as the library: sessions refer to them
 
 }  // namespace
+
+// What this build does beyond the portable paths (llmc.runtime.native.features): bit 0, W8A8MatMul's packed copy
+// (pack=1; AVX-512 VNNI); bit 1, chunk attention's bfloat16 products (bf16=1; AVX512_BF16).
+extern "C" __attribute__((visibility("default"))) unsigned llmc_features() {
+  unsigned features = 0;
+#if LLMC_W8_PACKED
+  features |= 1u;
+#endif
+#if LLMC_BF16_CHUNKS
+  features |= 2u;
+#endif
+  return features;
+}
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
