@@ -733,7 +733,8 @@ def evaluate(bundle, text_file, window, max_tokens, reference, prompts_file, new
 @_guard
 def bench(bundle, prompt_len, new_tokens, repeat, prompt_file, provider, threads, no_prefetch, as_json):
     """Time a BUNDLE on a natural-English prompt (see --prompt-file): TTFT, prefill and decode tokens/s (median and spread),
-    peak RSS, what ran prefill and decode, the KV cache, and for W8A8 bundles which int8 kernels ran."""
+    peak RSS, what ran prefill and decode, the KV cache, for W8A8 bundles which int8 kernels ran, and for native-kernel
+    bundles the packed copy of the decode weights and whether a chunk's attention multiplies in bfloat16."""
     import dataclasses
 
     from llmc.runtime.bench import bench as run_bench

@@ -1392,14 +1392,28 @@ def test_inspect_and_bench_name_the_native_kernels(npu_pair, native_kernels):
     assert "native ops" not in run("bench", npu_pair["onnx"], "--prompt-len", 12, "--new-tokens", 2, "--repeat", 1)
 
 
-def test_bench_reports_the_packed_copy_of_the_decode_weights(npu_pair, monkeypatch):
-    """The manifest lists the decode graph's packed weights (its W8A8MatMul ops' with pack=1); a session counts their
-    copies' bytes (blocks of 64 columns, K in whole groups of four, and the columns' sums) where the library was built
-    for AVX-512 VNNI and LLMC_W8_PACK is not 0, and `llmc bench` says so; elsewhere 0 and no line."""
+def _session_and_bench(monkeypatch, bundle, features, env_name, env):
+    """A lazy session of ``bundle`` and `llmc bench`'s output for it, with the native library's features patched to
+    ``features`` and ``env_name`` set to ``env`` (None: unset)."""
     from click.testing import CliRunner
 
     from llmc import runtime
     from llmc.cli import cli
+    from llmc.runtime import Session
+
+    monkeypatch.setattr(runtime.native, "features", lambda path: frozenset(features))
+    if env is None:
+        monkeypatch.delenv(env_name, raising=False)
+    else:
+        monkeypatch.setenv(env_name, env)
+    out = CliRunner().invoke(cli, ["bench", str(bundle), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1"]).output
+    return Session(bundle, "cpu", lazy=True), out
+
+
+def test_bench_reports_the_packed_copy_of_the_decode_weights(npu_pair, monkeypatch):
+    """The manifest lists the decode graph's packed weights (its W8A8MatMul ops' with pack=1); a session counts their
+    copies' bytes (blocks of 64 columns, K in whole groups of four, and the columns' sums) where the library was built
+    for AVX-512 VNNI and LLMC_W8_PACK is not 0, and `llmc bench` says so; elsewhere 0 and no line."""
     from llmc.runtime import Session
 
     m = json.loads((npu_pair["native"] / "manifest.json").read_text())
@@ -1408,13 +1422,8 @@ def test_bench_reports_the_packed_copy_of_the_decode_weights(npu_pair, monkeypat
     shapes = [m["weights"][n.input[1]]["shape"] for n in w8]
     want = sum(-(-k // 4) * 4 * -(-n // 64) * 64 + -(-n // 64) * 64 * 4 for k, n in shapes)
     for flags, env, expect in ((("w8_pack",), None, want), (("w8_pack",), "0", 0), (("bf16_chunks",), None, 0)):
-        monkeypatch.setattr(runtime.native, "features", lambda path, flags=flags: frozenset(flags))
-        if env is None:
-            monkeypatch.delenv("LLMC_W8_PACK", raising=False)
-        else:
-            monkeypatch.setenv("LLMC_W8_PACK", env)
-        assert Session(npu_pair["native"], "cpu", lazy=True).packed_weight_bytes == expect
-        out = CliRunner().invoke(cli, ["bench", str(npu_pair["native"]), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1"]).output
+        session, out = _session_and_bench(monkeypatch, npu_pair["native"], flags, "LLMC_W8_PACK", env)
+        assert session.packed_weight_bytes == expect
         assert (f"packed   the decode graph's W8A8 weights copied into their ops' layout (AVX-512 VNNI): {want / 1e6:.1f} MB" in out) == (expect > 0), out
     assert Session(npu_pair["onnx"], "cpu", lazy=True).packed_weight_bytes == 0  # no native ops
 
@@ -1423,27 +1432,17 @@ def test_bench_reports_bfloat16_attention(npu_pair, monkeypatch):
     """The manifest marks the graphs whose native attention has bf16=1 (the decode graph of a W8A8 bundle); a session
     says its chunks' attention multiplies in bfloat16 where the library was built for AVX512_BF16 and LLMC_ATTN_BF16 is
     not 0, and `llmc bench` says so; elsewhere not, and no line."""
-    from click.testing import CliRunner
-
-    from llmc import runtime
-    from llmc.cli import cli
     from llmc.runtime import Session
 
     m = json.loads((npu_pair["native"] / "manifest.json").read_text())
     marked = {g for g, e in m["graphs"].items() if e.get("bf16_attention")}
-    with_attr = {g.rsplit(".r", 1)[0] for g, e in m["graphs"].items() for i in e["instances"].values()
-                 for n in _nodes(npu_pair["native"], i["file"].removeprefix("graphs/").removesuffix(".onnx"))
+    with_attr = {g for g, e in m["graphs"].items() for i in e["instances"].values() for n in _nodes(npu_pair["native"], f"{g}.r{i['rows']}")
                  if n.op_type.startswith("DecodeAttention") and any(a.name == "bf16" and a.i == 1 for a in n.attribute)}
     assert marked == with_attr == {m["decode_graph"]}
     line = "bf16     a chunk's attention multiplies in bfloat16 with float32 sums (AVX512_BF16); LLMC_ATTN_BF16=0 keeps float32"
     for flags, env, expect in ((("bf16_chunks",), None, True), (("bf16_chunks",), "0", False), (("w8_pack",), None, False)):
-        monkeypatch.setattr(runtime.native, "features", lambda path, flags=flags: frozenset(flags))
-        if env is None:
-            monkeypatch.delenv("LLMC_ATTN_BF16", raising=False)
-        else:
-            monkeypatch.setenv("LLMC_ATTN_BF16", env)
-        assert Session(npu_pair["native"], "cpu", lazy=True).bf16_attention == expect
-        out = CliRunner().invoke(cli, ["bench", str(npu_pair["native"]), "--prompt-len", "12", "--new-tokens", "2", "--repeat", "1"]).output
+        session, out = _session_and_bench(monkeypatch, npu_pair["native"], flags, "LLMC_ATTN_BF16", env)
+        assert session.bf16_attention == expect
         assert (line in out) == expect, out
     assert not Session(npu_pair["onnx"], "cpu", lazy=True).bf16_attention  # no native ops
 

@@ -929,67 +929,6 @@ NIVec lane_numbers() {
 
 const NIVec native_index = lane_numbers();
 
-// The scores of kRowGroup query rows against P native vectors of keys from vector b0 of a block transposed
-// ([d][kKeyBlock]), summed in kRowGroup * P registers.
-template <int P>
-inline void score_pass(const float* const* q, const float* kt, int64_t d, float (&s)[kRowGroup][kKeyBlock], int64_t b0) {
-  NVec acc[kRowGroup][P] = {};
-  for (int64_t j = 0; j < d; ++j) {
-    NVec kv[P];
-#pragma GCC unroll 4
-    for (int b = 0; b < P; ++b) kv[b] = nload(kt + j * kKeyBlock + (b0 + b) * kNative);
-#pragma GCC unroll 8
-    for (int r = 0; r < kRowGroup; ++r) {
-      const NVec qv = nsplat(q[r][j]);
-#pragma GCC unroll 4
-      for (int b = 0; b < P; ++b) acc[r][b] += qv * kv[b];
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < kRowGroup; ++r)
-#pragma GCC unroll 4
-    for (int b = 0; b < P; ++b) nstore(&s[r][(b0 + b) * kNative], acc[r][b]);
-}
-
-// The scores of kRowGroup query rows against the first kn keys of a block (in whole native vectors: the
-// scores past them are left unset, and the rows' masks drop them), kPassVecs vectors a pass.
-inline void group_scores(const float* const* q, const float* kt, int64_t d, float (&s)[kRowGroup][kKeyBlock], int64_t kn) {
-  const int64_t vecs = (kn + kNative - 1) / kNative;
-  int64_t b0 = 0;
-  for (; b0 + kPassVecs <= vecs; b0 += kPassVecs) score_pass<kPassVecs>(q, kt, d, s, b0);
-  switch (vecs - b0) {
-    case 3: score_pass<3>(q, kt, d, s, b0); break;
-    case 2: score_pass<2>(q, kt, d, s, b0); break;
-    case 1: score_pass<1>(q, kt, d, s, b0); break;
-    default: break;
-  }
-}
-
-// kRowGroup rows' outputs, columns [c0, c0 + CN * kNative): += p[r][t] * value row t, for the block's kn rows.
-template <int CN>
-inline void group_values(const float (*p)[kKeyBlock], int64_t kn, const float* vb, int64_t d, int64_t c0, float* const* acc) {
-  NVec o[kRowGroup][CN];
-#pragma GCC unroll 8
-  for (int r = 0; r < kRowGroup; ++r)
-#pragma GCC unroll 4
-    for (int x = 0; x < CN; ++x) o[r][x] = nload(acc[r] + c0 + x * kNative);
-  for (int64_t t = 0; t < kn; ++t) {
-    NVec vv[CN];
-#pragma GCC unroll 4
-    for (int x = 0; x < CN; ++x) vv[x] = nload(vb + t * d + c0 + x * kNative);
-#pragma GCC unroll 8
-    for (int r = 0; r < kRowGroup; ++r) {
-      const NVec pr = nsplat(p[r][t]);
-#pragma GCC unroll 4
-      for (int x = 0; x < CN; ++x) o[r][x] += pr * vv[x];
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < kRowGroup; ++r)
-#pragma GCC unroll 4
-    for (int x = 0; x < CN; ++x) nstore(acc[r] + c0 + x * kNative, o[r][x]);
-}
-
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // Chunk attention's products in bfloat16 with float32 sums (vdpbf16ps: two products a lane an instruction, twice the
 // float32 FMA's): a CPU with AVX512_BF16. LLMC_ATTN_BF16=0 keeps them in float32.
@@ -1005,19 +944,39 @@ inline __m512i bf16_pairs(NVec a, NVec b) {
 
 inline NVec dot_pairs(NVec acc, __m512i a, __m512i b) { return (NVec)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b); }
 
-// score_pass's in bfloat16: q's rows are dp pairs each, kt the block's keys as [dp][kKeyBlock] pairs.
-template <int P>
-inline void score_pass_bf16(const uint32_t* const* q, const uint32_t* kt, int64_t dp, float (&s)[kRowGroup][kKeyBlock], int64_t b0) {
+// A pair of bfloat16 values per lane (LLMC_BF16_CHUNKS' operands): the loops below take them as they take floats.
+struct Pairs {
+  __m512i v;
+};
+
+inline Pairs operand(const uint32_t* p) { return {_mm512_loadu_si512(p)}; }
+inline Pairs broadcast(uint32_t pair) { return {_mm512_set1_epi32(static_cast<int32_t>(pair))}; }
+inline NVec multiply_add(NVec acc, Pairs a, Pairs b) { return dot_pairs(acc, a.v, b.v); }
+inline Pairs first_of_pair(Pairs a) { return {_mm512_and_si512(a.v, _mm512_set1_epi32(0xffff))}; }
+#endif
+
+// The operands of the score and value loops: float32 entries (E = float), or bfloat16 pairs (E = uint32_t, above),
+// whose steps then each cover two entries (of the head size for scores, of the block's rows for values).
+inline NVec operand(const float* p) { return nload(p); }
+inline NVec broadcast(float x) { return nsplat(x); }
+inline NVec multiply_add(NVec acc, NVec a, NVec b) { return acc + a * b; }
+inline NVec first_of_pair(NVec a) { return a; }  // (float32 steps are single entries)
+
+// The scores of kRowGroup query rows against P native vectors of keys from vector b0 of a block transposed
+// ([steps][kKeyBlock]; steps = d, or d / 2 pairs), summed in kRowGroup * P registers.
+template <int P, typename E>
+inline void score_pass(const E* const* q, const E* kt, int64_t steps, float (&s)[kRowGroup][kKeyBlock], int64_t b0) {
+  using V = decltype(operand(kt));
   NVec acc[kRowGroup][P] = {};
-  for (int64_t j = 0; j < dp; ++j) {
-    __m512i kv[P];
+  for (int64_t j = 0; j < steps; ++j) {
+    V kv[P];
 #pragma GCC unroll 4
-    for (int b = 0; b < P; ++b) kv[b] = _mm512_loadu_si512(kt + j * kKeyBlock + (b0 + b) * kNative);
+    for (int b = 0; b < P; ++b) kv[b] = operand(kt + j * kKeyBlock + (b0 + b) * kNative);
 #pragma GCC unroll 8
     for (int r = 0; r < kRowGroup; ++r) {
-      const __m512i qv = _mm512_set1_epi32(static_cast<int32_t>(q[r][j]));
+      const V qv = broadcast(q[r][j]);
 #pragma GCC unroll 4
-      for (int b = 0; b < P; ++b) acc[r][b] = dot_pairs(acc[r][b], kv[b], qv);
+      for (int b = 0; b < P; ++b) acc[r][b] = multiply_add(acc[r][b], kv[b], qv);
     }
   }
 #pragma GCC unroll 8
@@ -1026,41 +985,43 @@ inline void score_pass_bf16(const uint32_t* const* q, const uint32_t* kt, int64_
     for (int b = 0; b < P; ++b) nstore(&s[r][(b0 + b) * kNative], acc[r][b]);
 }
 
-inline void group_scores_bf16(const uint32_t* const* q, const uint32_t* kt, int64_t dp, float (&s)[kRowGroup][kKeyBlock], int64_t kn) {
+// The scores of kRowGroup query rows against the first kn keys of a block (in whole native vectors: the
+// scores past them are left unset, and the rows' masks drop them), kPassVecs vectors a pass.
+template <typename E>
+inline void group_scores(const E* const* q, const E* kt, int64_t steps, float (&s)[kRowGroup][kKeyBlock], int64_t kn) {
   const int64_t vecs = (kn + kNative - 1) / kNative;
   int64_t b0 = 0;
-  for (; b0 + kPassVecs <= vecs; b0 += kPassVecs) score_pass_bf16<kPassVecs>(q, kt, dp, s, b0);
+  for (; b0 + kPassVecs <= vecs; b0 += kPassVecs) score_pass<kPassVecs>(q, kt, steps, s, b0);
   switch (vecs - b0) {
-    case 3: score_pass_bf16<3>(q, kt, dp, s, b0); break;
-    case 2: score_pass_bf16<2>(q, kt, dp, s, b0); break;
-    case 1: score_pass_bf16<1>(q, kt, dp, s, b0); break;
+    case 3: score_pass<3>(q, kt, steps, s, b0); break;
+    case 2: score_pass<2>(q, kt, steps, s, b0); break;
+    case 1: score_pass<1>(q, kt, steps, s, b0); break;
     default: break;
   }
 }
 
-// group_values's in bfloat16: p's rows are the weights as pairs (t = 2i, 2i + 1), vb the block's value rows as
-// [kKeyBlock / 2][d] pairs; tp pairs of rows, the last one's second row dropped when odd (its weight is 0, but the row
-// may hold an infinity, and 0 x inf is NaN).
-template <int CN>
-inline void group_values_bf16(const uint32_t (*p)[kKeyBlock / 2], int64_t tp, bool odd, const uint32_t* vb, int64_t d, int64_t c0,
-                              float* const* acc) {
-  const __m512i low = _mm512_set1_epi32(0xffff);
+// kRowGroup rows' outputs, columns [c0, c0 + CN * kNative): += p[r][t] * value row t, for the block's steps rows (or
+// pairs of rows, [steps][d] pairs, with the weights as pairs: odd drops the last pair's second row, past the task's
+// keys, whose weight is 0 but which may hold an infinity, and 0 x inf is NaN).
+template <int CN, typename E, size_t W>
+inline void group_values(const E (*p)[W], int64_t steps, bool odd, const E* vb, int64_t d, int64_t c0, float* const* acc) {
+  using V = decltype(operand(vb));
   NVec o[kRowGroup][CN];
 #pragma GCC unroll 8
   for (int r = 0; r < kRowGroup; ++r)
 #pragma GCC unroll 4
     for (int x = 0; x < CN; ++x) o[r][x] = nload(acc[r] + c0 + x * kNative);
-  for (int64_t t = 0; t < tp; ++t) {
-    __m512i vv[CN];
+  for (int64_t t = 0; t < steps; ++t) {
+    V vv[CN];
 #pragma GCC unroll 4
-    for (int x = 0; x < CN; ++x) vv[x] = _mm512_loadu_si512(vb + t * d + c0 + x * kNative);
-    if (odd && t == tp - 1)
-      for (int x = 0; x < CN; ++x) vv[x] = _mm512_and_si512(vv[x], low);
+    for (int x = 0; x < CN; ++x) vv[x] = operand(vb + t * d + c0 + x * kNative);
+    if (odd && t == steps - 1)
+      for (int x = 0; x < CN; ++x) vv[x] = first_of_pair(vv[x]);
 #pragma GCC unroll 8
     for (int r = 0; r < kRowGroup; ++r) {
-      const __m512i pr = _mm512_set1_epi32(static_cast<int32_t>(p[r][t]));
+      const V pr = broadcast(p[r][t]);
 #pragma GCC unroll 4
-      for (int x = 0; x < CN; ++x) o[r][x] = dot_pairs(o[r][x], vv[x], pr);
+      for (int x = 0; x < CN; ++x) o[r][x] = multiply_add(o[r][x], vv[x], pr);
     }
   }
 #pragma GCC unroll 8
@@ -1068,7 +1029,19 @@ inline void group_values_bf16(const uint32_t (*p)[kKeyBlock / 2], int64_t tp, bo
 #pragma GCC unroll 4
     for (int x = 0; x < CN; ++x) nstore(acc[r] + c0 + x * kNative, o[r][x]);
 }
-#endif
+
+// group_values over all of a row group's d columns, kPassVecs native vectors a pass.
+template <typename E, size_t W>
+inline void all_values(const E (*p)[W], int64_t steps, bool odd, const E* vb, int64_t d, float* const* acc) {
+  int64_t c0 = 0;
+  for (; c0 + kPassVecs * kNative <= d; c0 += kPassVecs * kNative) group_values<kPassVecs>(p, steps, odd, vb, d, c0, acc);
+  switch ((d - c0) / kNative) {
+    case 3: group_values<3>(p, steps, odd, vb, d, c0, acc); break;
+    case 2: group_values<2>(p, steps, odd, vb, d, c0, acc); break;
+    case 1: group_values<1>(p, steps, odd, vb, d, c0, acc); break;
+    default: break;
+  }
+}
 
 #if defined(__AVX2__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -1192,7 +1165,7 @@ void attend_chunk(void* data, size_t t) {
       if (job.bf16) {
         const uint32_t* qq[kRowGroup];
         for (int rr = 0; rr < kRowGroup; ++rr) qq[rr] = qp.data() + std::min(r0 + rr, n - 1) * d / 2;
-        group_scores_bf16(qq, reinterpret_cast<const uint32_t*>(kt), d / 2, sc, kn);
+        group_scores(qq, reinterpret_cast<const uint32_t*>(kt), d / 2, sc, kn);
       } else
 #endif
         group_scores(qs, kt, d, sc, kn);
@@ -1201,10 +1174,12 @@ void attend_chunk(void* data, size_t t) {
         const int64_t tb = job.window > 0 ? std::max<int64_t>(0, pos + 1 - job.window - k0) : 0, te = std::min(kn, pos + 1 - k0);
         float* pr = pb[rr];
         if (r >= n || te <= tb) {  // nothing of this block for the row
-          std::fill(pr, pr + kKeyBlock, 0.0f);
 #if LLMC_BF16_CHUNKS
-          std::fill(pp[rr], pp[rr] + kKeyBlock / 2, 0u);
+          if (job.bf16)
+            std::fill(pp[rr], pp[rr] + kKeyBlock / 2, 0u);
+          else
 #endif
+            std::fill(pr, pr + kKeyBlock, 0.0f);
           continue;
         }
         // the row's scores in [tb, te) (the others -inf, then weight 0): maximum, e^(s - max) and their sum, a
@@ -1245,29 +1220,12 @@ void attend_chunk(void* data, size_t t) {
         if (rescale != 1.0f)
           for (int64_t j = 0; j < d; j += kNative) nstore(as[rr] + j, nload(as[rr] + j) * rescale);
       }
-      int64_t c0 = 0;
 #if LLMC_BF16_CHUNKS
-      if (job.bf16) {
-        const uint32_t* vp = reinterpret_cast<const uint32_t*>(vb);
-        const int64_t tp = (kn + 1) / 2;
-        const bool odd = kn % 2 != 0;  // the last pair's high half: position kn, past the task's (another task's row)
-        for (; c0 + kPassVecs * kNative <= d; c0 += kPassVecs * kNative) group_values_bf16<kPassVecs>(pp, tp, odd, vp, d, c0, as);
-        switch ((d - c0) / kNative) {
-          case 3: group_values_bf16<3>(pp, tp, odd, vp, d, c0, as); break;
-          case 2: group_values_bf16<2>(pp, tp, odd, vp, d, c0, as); break;
-          case 1: group_values_bf16<1>(pp, tp, odd, vp, d, c0, as); break;
-          default: break;
-        }
-        continue;
-      }
+      if (job.bf16)  // pairs of rows; an odd count's last pair ends past the task's keys
+        all_values(pp, (kn + 1) / 2, kn % 2 != 0, reinterpret_cast<const uint32_t*>(vb), d, as);
+      else
 #endif
-      for (; c0 + kPassVecs * kNative <= d; c0 += kPassVecs * kNative) group_values<kPassVecs>(pb, kn, vb, d, c0, as);
-      switch ((d - c0) / kNative) {
-        case 3: group_values<3>(pb, kn, vb, d, c0, as); break;
-        case 2: group_values<2>(pb, kn, vb, d, c0, as); break;
-        case 1: group_values<1>(pb, kn, vb, d, c0, as); break;
-        default: break;
-      }
+        all_values(pb, kn, false, vb, d, as);
     }
   }
   for (int64_t r = 0; r < n; ++r) {  // normalised by the sums (an int8 cache: times V's scales), a NaN score's row NaN
