@@ -1,20 +1,22 @@
 """Compare compiled bundles with HF transformers eager and llama.cpp, in one run.
 
 Every engine runs in its own child process (one process tree, one run, no
-thread pools fighting each other), on the same token ids (the first tokens of
-``llmc bench``'s natural-English text, CPython's LICENSE.txt, or of
-``--prompt-file``), after a warm-up, and
-reports the median of ``--repeat`` runs. The parent prints a table and the
-ratios against HF eager fp32 (and llama.cpp when ``llama-cpp-python`` is
-installed; it is skipped with a note otherwise).
+thread pools fighting each other) on the same token ids: the first tokens of
+``llmc bench``'s natural-English text (CPython's LICENSE.txt) or of
+``--prompt-file``. The parent prints a table and the ratios against HF eager
+fp32 (and llama.cpp when ``llama-cpp-python`` is installed; it is skipped with a
+note otherwise).
 
-With ``--rounds R`` every engine runs R times, the engines taking turns (each
-round in a rotated order): a VM whose speed drifts over minutes then moves all
-engines alike. Each ratio is then the median of its R per-round ratios, shown
-with their range; speeds are medians over the rounds.
+The engines take turns run by run. All children load and run once to warm up;
+then, ``--repeat`` times, each in turn (in a rotated order) prefills the prompt
+and decodes ``--new-tokens`` while the others wait idle. A VM whose speed drifts
+over seconds or minutes (this one's does, by 25-35%) then moves the engines of
+one turn alike: each ratio is the median of the per-turn ratios, shown with
+their range; speeds are medians over the turns. ``--rounds R`` starts the
+children afresh R times (R x repeat turns in all).
 
     python benchmarks/compare.py --bundle cpu=out/cpu --bundle npu=out/npu \
-        --prompt-lens 128,512,2048 --new-tokens 32 --rounds 3
+        --prompt-lens 128,512,2048 --new-tokens 64 --repeat 6
 
 The reference engines load the bundled SmolLM2-135M GGUF (``--gguf`` for another file).
 """
@@ -28,66 +30,77 @@ import sys
 import tempfile
 from pathlib import Path
 
+# A child loads one engine, runs once to warm up and says it is ready; then every "run" line on its stdin
+# is one measured run (prefill the prompt, decode new_tokens - 1 more), answered with one JSON line, and
+# "quit" is answered with its peak RSS. Protocol lines go to a copy of the original stdout; anything the
+# libraries print goes to stderr.
 CHILD = r"""
-import json, sys, time, statistics
+import json, os, sys, time
 cfg = json.load(open(sys.argv[1]))
-ids, n_new, repeat, engine = cfg["ids"], cfg["new_tokens"], cfg["repeat"], cfg["engine"]
+ids, n_new, engine = cfg["ids"], cfg["new_tokens"], cfg["engine"]
+proto = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
 
-def med(xs):
-    return statistics.median(xs)
+def speeds(prefill_s, decode_s):
+    return {"prefill_tok_s": len(ids) / prefill_s, "decode_tok_s": (n_new - 1) / decode_s if decode_s else 0.0,
+            "ttft_s": prefill_s}
 
-def peak_mb():
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-out = {"engine": engine}
 if engine == "llmc":
     from llmc.runtime import Session
     s = Session(cfg["bundle"])
-    s.generate(ids[:64], 2, stop_at_eos=False)
-    runs = [s.generate(ids, n_new, stop_at_eos=False).metrics for _ in range(repeat)]
-    out.update(prefill_tok_s=med([m.prefill_tok_s for m in runs]), decode_tok_s=med([m.decode_tok_s for m in runs]),
-               ttft_s=med([m.ttft_s for m in runs]))
+
+    def once():
+        m = s.generate(ids, n_new, stop_at_eos=False).metrics
+        return {"prefill_tok_s": m.prefill_tok_s, "decode_tok_s": m.decode_tok_s, "ttft_s": m.ttft_s}
 elif engine == "hf":
     import torch, transformers as T
     torch.set_num_threads(cfg["threads"])
     p = cfg["gguf"]
-    import os
     m = T.AutoModelForCausalLM.from_pretrained(os.path.dirname(p), gguf_file=os.path.basename(p), dtype=torch.float32,
                                                attn_implementation="eager").eval()
     x = torch.tensor([ids])
-    pre, dec = [], []
-    with torch.no_grad():
-        m(x[:, :64])
-        for _ in range(repeat):
+
+    def once():
+        with torch.no_grad():
             t = time.perf_counter()
             o = m(x, use_cache=True)
-            pre.append(time.perf_counter() - t)
+            pre = time.perf_counter() - t
             past, tok = o.past_key_values, o.logits[:, -1:].argmax(-1)
             t = time.perf_counter()
             for _ in range(n_new - 1):
                 o = m(tok, past_key_values=past, use_cache=True)
                 past, tok = o.past_key_values, o.logits[:, -1:].argmax(-1)
-            dec.append(time.perf_counter() - t)
-    out.update(prefill_tok_s=len(ids) / med(pre), decode_tok_s=(n_new - 1) / med(dec), ttft_s=med(pre))
+            return speeds(pre, time.perf_counter() - t)
 elif engine == "llama.cpp":
     from llama_cpp import Llama
     llm = Llama(model_path=cfg["gguf"], n_ctx=len(ids) + n_new + 8, n_threads=cfg["threads"], n_batch=512, verbose=False)
-    pre, dec = [], []
-    for _ in range(repeat + 1):
+
+    def once():
         llm.reset()
         t = time.perf_counter()
         llm.eval(ids)
-        pre.append(time.perf_counter() - t)
+        pre = time.perf_counter() - t
         t = time.perf_counter()
-        tok = 0
         for _ in range(n_new - 1):
-            llm.eval([tok])
-        dec.append(time.perf_counter() - t)
-    pre, dec = pre[1:], dec[1:]
-    out.update(prefill_tok_s=len(ids) / med(pre), decode_tok_s=(n_new - 1) / med(dec), ttft_s=med(pre))
-out["peak_rss_mb"] = peak_mb()
-print(json.dumps(out))
+            llm.eval([0])
+        return speeds(pre, time.perf_counter() - t)
+else:
+    raise SystemExit(f"unknown engine {engine!r}")
+
+def say(d):
+    proto.write(json.dumps(d) + "\n")
+    proto.flush()
+
+once()
+say({"ready": True})
+for line in sys.stdin:
+    if line.strip() == "run":
+        started = time.time()
+        say({**once(), "started": started})
+    else:
+        import resource
+        say({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+        break
 """
 
 
@@ -103,31 +116,95 @@ def token_ids(bundle: Path, n: int, text: str | None = None) -> list[int]:
     return first_tokens(lambda t: tok.encode(t).ids, text if text is not None else default_text()[1], n)[0]
 
 
-def run_child(cfg: dict) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(cfg, f)
-    r = subprocess.run([sys.executable, "-c", CHILD, f.name], capture_output=True, text=True)
-    Path(f.name).unlink()
-    if r.returncode != 0:
-        return {"engine": cfg["engine"], "error": (r.stderr.strip().splitlines() or ["failed"])[-1]}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+class Child:
+    """One engine in its own process, measured run by run (see ``CHILD``)."""
+
+    def __init__(self, cfg: dict):
+        self.engine = cfg["engine"]
+        self.error: str | None = None
+        self._cfg = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+        json.dump(cfg, self._cfg)
+        self._cfg.close()
+        self._err = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, self._cfg.name], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._err, text=True)
+        self._ask(None)  # the warm-up run
+
+    def _ask(self, line: str | None) -> dict | None:
+        if self.error is not None:
+            return None
+        try:
+            if line is not None:
+                self.proc.stdin.write(line + "\n")
+                self.proc.stdin.flush()
+            reply = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            reply = ""
+        if not reply:
+            self.proc.wait()
+            self._err.seek(0)
+            self.error = (self._err.read().strip().splitlines() or [f"exited with {self.proc.returncode}"])[-1]
+            return None
+        return json.loads(reply)
+
+    def run(self) -> dict:
+        """One measured run: prefill and decode speeds, TTFT; or the child's error."""
+        got = self._ask("run")
+        return got if got is not None else {"engine": self.engine, "error": self.error}
+
+    def close(self) -> float | None:
+        """Stop the child; its peak RSS in MB (None if it failed)."""
+        got = self._ask("quit")
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        Path(self._cfg.name).unlink(missing_ok=True)
+        self._err.close()
+        return got["peak_rss_mb"] if got else None
+
+
+def measure(engines: dict[str, dict], base: dict, turns: int, first_turn: int = 0) -> list[dict[str, dict]]:
+    """Start every engine's child (one after another, each warmed up), then ``turns`` times let each run once,
+    in an order rotated every turn; one {engine: result} per turn, each result with the child's peak RSS."""
+    kids: dict[str, Child] = {}
+    try:
+        for name, cfg in engines.items():
+            kids[name] = Child({**base, **cfg})
+        out = []
+        for t in range(turns):
+            got = {name: kids[name].run() for name in rotated(list(engines), first_turn + t)}
+            out.append({name: got[name] for name in engines})
+        for name, kid in kids.items():
+            rss = kid.close()
+            for turn in out:
+                if "error" not in turn[name]:
+                    turn[name] = {**turn[name], "peak_rss_mb": rss} if rss is not None else {"engine": kid.engine, "error": kid.error}
+    finally:
+        for kid in kids.values():
+            if kid.proc.poll() is None:
+                kid.proc.kill()
+                kid.proc.wait()
+    return out
 
 
 def rotated(names: list[str], r: int) -> list[str]:
-    """Round ``r``'s engine order: ``names`` rotated by ``r``."""
+    """Turn ``r``'s engine order: ``names`` rotated by ``r``."""
     k = r % len(names) if names else 0
     return names[k:] + names[:k]
 
 
-def aggregate(rounds: list[dict[str, dict]], refs: tuple[str, ...] = ("hf-eager", "llama.cpp")) -> dict[str, dict]:
-    """Per engine over the rounds (each a {engine: child result}): median speeds, the largest peak RSS,
-    and for every reference engine the median and range of the per-round prefill and decode ratios.
-    An engine that failed in any round keeps that round's error."""
+def aggregate(turns: list[dict[str, dict]], refs: tuple[str, ...] = ("hf-eager", "llama.cpp")) -> dict[str, dict]:
+    """Per engine over the turns (each a {engine: run result}): median speeds, the largest peak RSS,
+    and for every reference engine the median and range of the per-turn prefill and decode ratios.
+    An engine that failed in any turn keeps that turn's error."""
     import statistics
 
     out: dict[str, dict] = {}
-    for name in rounds[0]:
-        runs = [r[name] for r in rounds]
+    for name in turns[0]:
+        runs = [r[name] for r in turns]
         bad = next((x for x in runs if "error" in x), None)
         if bad is not None:
             out[name] = {"error": bad["error"]}
@@ -136,10 +213,10 @@ def aggregate(rounds: list[dict[str, dict]], refs: tuple[str, ...] = ("hf-eager"
         res["peak_rss_mb"] = max(x["peak_rss_mb"] for x in runs)
         res["ratios"] = {}
         for ref in refs:
-            if ref not in rounds[0] or any("error" in r[ref] for r in rounds):
+            if ref not in turns[0] or any("error" in r[ref] for r in turns):
                 continue
             for k in ("prefill_tok_s", "decode_tok_s"):
-                xs = [r[name][k] / r[ref][k] for r in rounds]
+                xs = [r[name][k] / r[ref][k] for r in turns]
                 res["ratios"][f"{k.split('_')[0]}/{ref}"] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
         out[name] = res
     return out
@@ -150,8 +227,8 @@ def main() -> None:
     ap.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR", help="a compiled bundle to measure (repeatable)")
     ap.add_argument("--prompt-lens", default="128,512,2048")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=1, help="run every engine this many times, taking turns; ratios per round, then median")
+    ap.add_argument("--repeat", type=int, default=5, help="measured turns: every engine runs once a turn, the engines taking turns")
+    ap.add_argument("--rounds", type=int, default=1, help="start the engines' processes afresh this many times, --repeat turns each")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gguf", default=None, help="GGUF for the reference engines (default: the bundled SmolLM2)")
     ap.add_argument("--prompt-file", default=None, help="UTF-8 text the prompts are cut from (default: llmc bench's, CPython's LICENSE.txt)")
@@ -183,16 +260,15 @@ def main() -> None:
     for n in [int(x) for x in args.prompt_lens.split(",")]:
         n_eff = min(n, max_ctx - args.new_tokens)
         ids = token_ids(first, n_eff, text)
-        base = {"ids": ids, "new_tokens": args.new_tokens, "repeat": args.repeat, "threads": args.threads, "gguf": gguf}
+        base = {"ids": ids, "new_tokens": args.new_tokens, "threads": args.threads, "gguf": gguf}
         engines = {name: {"engine": "llmc", "bundle": d} for name, d in bundles.items()}
         engines["hf-eager"] = {"engine": "hf"}
         if have_llama:
             engines["llama.cpp"] = {"engine": "llama.cpp"}
-        rounds = []
+        turns = []
         for r in range(max(args.rounds, 1)):
-            got = {name: run_child({**base, **engines[name]}) for name in rotated(list(engines), r)}
-            rounds.append({name: got[name] for name in engines})
-        rows.append({"prompt_tokens": n_eff, "results": aggregate(rounds), "rounds": rounds})
+            turns += measure(engines, base, max(args.repeat, 1), first_turn=len(turns))
+        rows.append({"prompt_tokens": n_eff, "results": aggregate(turns), "turns": turns})
     if args.json:
         print(json.dumps({"runs": rows, "llama_cpp": have_llama, "prompt_text": text_name}))
         return
@@ -203,9 +279,9 @@ def main() -> None:
         res = row["results"]
         hf = res["hf-eager"]
         lc = res.get("llama.cpp")
-        rounds = len(row["rounds"])
-        print(f"\nprompt {row['prompt_tokens']} tokens, {args.new_tokens} new tokens, median of {args.repeat}"
-              + (f"; {rounds} rounds, ratios: median of the per-round ratios" if rounds > 1 else ""))
+        turns = len(row["turns"])
+        print(f"\nprompt {row['prompt_tokens']} tokens, {args.new_tokens} new tokens; medians of {turns} turns"
+              + (f" ({args.rounds} rounds)" if args.rounds > 1 else "") + ", ratios: median of the per-turn ratios")
         print(f"  {'engine':<12} {'prefill tok/s':>14} {'decode tok/s':>13} {'peak RSS MB':>12} {'prefill/HF':>11} {'decode/HF':>10}"
               + (f" {'prefill/llama':>14} {'decode/llama':>13}" if lc and "error" not in lc else ""))
         for name, r in res.items():
@@ -219,8 +295,8 @@ def main() -> None:
             if lc and "error" not in lc:
                 line += f" {q['prefill/llama.cpp']['median']:13.2f}x {q['decode/llama.cpp']['median']:12.2f}x"
             print(line)
-        if rounds > 1:
-            print("  per-round ratio ranges (min..max):")
+        if turns > 1:
+            print("  per-turn ratio ranges (min..max):")
             for name, r in res.items():
                 if "error" not in r and name not in ("hf-eager", "llama.cpp"):
                     print(f"  {name:<12} " + ", ".join(f"{k} {v['min']:.2f}..{v['max']:.2f}" for k, v in r["ratios"].items()))

@@ -21,23 +21,23 @@ def _res(pre, dec, rss=100.0):
     return {"prefill_tok_s": pre, "decode_tok_s": dec, "ttft_s": 1.0 / pre, "peak_rss_mb": rss}
 
 
-def test_engines_take_turns(compare):
+def test_turn_orders_rotate(compare):
     names = ["a", "b", "hf-eager", "llama.cpp"]
     orders = [compare.rotated(names, r) for r in range(4)]
     assert orders[0] == names and orders[1] == ["b", "hf-eager", "llama.cpp", "a"]
     assert all(sorted(o) == sorted(names) for o in orders)
-    assert [o[0] for o in orders] == names  # every engine runs first once in four rounds
+    assert [o[0] for o in orders] == names  # every engine runs first once in four turns
 
 
-def test_ratios_are_medians_of_per_round_ratios(compare):
-    """A machine that slows down between rounds moves every engine alike: the per-round ratios stay
+def test_ratios_are_medians_of_per_turn_ratios(compare):
+    """A machine that slows down between turns moves every engine alike: the per-turn ratios stay
     put where ratios of the medians would not."""
-    rounds = [
+    turns = [
         {"x": _res(400, 100), "hf-eager": _res(200, 10), "llama.cpp": _res(100, 50)},
         {"x": _res(300, 75), "hf-eager": _res(150, 7.5), "llama.cpp": _res(75, 37.5, rss=150)},  # 25% slower
         {"x": _res(330, 90), "hf-eager": _res(100, 9), "llama.cpp": _res(110, 45)},
     ]
-    out = compare.aggregate(rounds)
+    out = compare.aggregate(turns)
     x = out["x"]
     assert x["prefill_tok_s"] == 330 and x["decode_tok_s"] == 90
     assert x["ratios"]["prefill/hf-eager"] == {"median": 2.0, "min": 2.0, "max": 3.3}
@@ -46,12 +46,12 @@ def test_ratios_are_medians_of_per_round_ratios(compare):
     assert out["hf-eager"]["ratios"]["prefill/hf-eager"]["median"] == 1.0
 
 
-def test_a_failed_round_is_reported(compare):
-    rounds = [{"x": _res(1, 1), "hf-eager": _res(1, 1)}, {"x": {"engine": "llmc", "error": "boom"}, "hf-eager": _res(1, 1)}]
-    out = compare.aggregate(rounds)
+def test_a_failed_turn_is_reported(compare):
+    turns = [{"x": _res(1, 1), "hf-eager": _res(1, 1)}, {"x": {"engine": "llmc", "error": "boom"}, "hf-eager": _res(1, 1)}]
+    out = compare.aggregate(turns)
     assert out["x"] == {"error": "boom"} and "ratios" in out["hf-eager"]
-    rounds[1]["hf-eager"] = {"error": "no model"}
-    assert compare.aggregate(rounds)["x"] == {"error": "boom"}
+    turns[1]["hf-eager"] = {"error": "no model"}
+    assert compare.aggregate(turns)["x"] == {"error": "boom"}
     assert compare.aggregate([{"y": _res(2, 2), "hf-eager": {"error": "no model"}}])["y"]["ratios"] == {}
 
 
@@ -68,3 +68,26 @@ def test_prompts_are_llmc_bench_s_natural_text(compare, bundles, tmp_path):
     assert compare.token_ids(Path(b), 12) == bench_prompt(s, 12).ids
     text = "the cat sat on the mat"
     assert compare.token_ids(Path(b), 12, text) == bench_prompt(s, 12, ("f", text)).ids == s.encode(f"{text} {text}")
+
+
+def test_engines_take_turns_run_by_run(compare, bundles):
+    """Every engine's child loads once, then runs once a turn, the order rotated each turn; a child that fails
+    (here: no bundle) is reported in every turn without holding up the others."""
+    b = str(bundles("llama"))
+    base = {"ids": list(range(5, 17)), "new_tokens": 3, "threads": 1, "gguf": ""}
+    engines = {"a": {"engine": "llmc", "bundle": b}, "b": {"engine": "llmc", "bundle": b},
+               "gone": {"engine": "llmc", "bundle": b + "-missing"}}
+    turns = compare.measure(engines, base, 3)
+    assert len(turns) == 3 and all(list(t) == ["a", "b", "gone"] for t in turns)
+    for t in turns:
+        for name in ("a", "b"):
+            r = t[name]
+            assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["ttft_s"] > 0 and r["peak_rss_mb"] > 50
+        assert "error" in t["gone"] and "missing" in t["gone"]["error"]
+    # turn 0 runs a before b, turn 1 b before a (the failed engine's turn is skipped)
+    assert turns[0]["a"]["started"] < turns[0]["b"]["started"]
+    assert turns[1]["b"]["started"] < turns[1]["a"]["started"]
+    assert turns[0]["b"]["started"] < turns[1]["b"]["started"] < turns[2]["a"]["started"]
+    out = compare.aggregate(turns, refs=("a",))
+    assert out["gone"]["error"] == turns[0]["gone"]["error"]
+    assert out["b"]["ratios"]["prefill/a"]["min"] <= out["b"]["ratios"]["prefill/a"]["median"]
