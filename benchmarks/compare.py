@@ -8,12 +8,15 @@ fp32 (and llama.cpp when ``llama-cpp-python`` is installed; it is skipped with a
 note otherwise).
 
 The engines take turns run by run. All children load and run once to warm up;
-then, ``--repeat`` times, each in turn (in a rotated order) prefills the prompt
-and decodes ``--new-tokens`` while the others wait idle. A VM whose speed drifts
-over seconds or minutes (this one's does, by 25-35%) then moves the engines of
-one turn alike: each ratio is the median of the per-turn ratios, shown with
-their range; speeds are medians over the turns. ``--rounds R`` starts the
-children afresh R times (R x repeat turns in all).
+then, ``--repeat`` times, each in turn prefills the prompt and makes
+``--new-tokens`` tokens (the first from the prefill, the rest decoded) while the
+others wait idle, in an order that is reversed every other turn and rotated
+every two (so that no engine always runs first or after the same one). A VM whose speed drifts over
+seconds or minutes (this one's vector throughput does, by 20-35%) then moves the
+engines of one turn alike: each ratio is the median of the per-turn ratios,
+shown with their range; speeds are medians over the turns. ``--rounds R``
+starts the children afresh R times (R x repeat turns in all). Every engine runs
+on ``--threads`` threads.
 
     python benchmarks/compare.py --bundle cpu=out/cpu --bundle npu=out/npu \
         --prompt-lens 128,512,2048 --new-tokens 64 --repeat 6
@@ -47,7 +50,7 @@ def speeds(prefill_s, decode_s):
 
 if engine == "llmc":
     from llmc.runtime import Session
-    s = Session(cfg["bundle"])
+    s = Session(cfg["bundle"], threads=cfg["threads"])
 
     def once():
         m = s.generate(ids, n_new, stop_at_eos=False).metrics
@@ -73,7 +76,8 @@ elif engine == "hf":
             return speeds(pre, time.perf_counter() - t)
 elif engine == "llama.cpp":
     from llama_cpp import Llama
-    llm = Llama(model_path=cfg["gguf"], n_ctx=len(ids) + n_new + 8, n_threads=cfg["threads"], n_batch=512, verbose=False)
+    llm = Llama(model_path=cfg["gguf"], n_ctx=len(ids) + n_new + 8, n_threads=cfg["threads"], n_threads_batch=cfg["threads"],
+                n_batch=512, verbose=False)
 
     def once():
         llm.reset()
@@ -117,18 +121,28 @@ def token_ids(bundle: Path, n: int, text: str | None = None) -> list[int]:
 
 
 class Child:
-    """One engine in its own process, measured run by run (see ``CHILD``)."""
+    """One engine in its own process, measured run by run (see ``CHILD``). Made, it is loading; ``start`` waits for its
+    warm-up; ``close`` ends it (``end`` without asking for its peak RSS)."""
 
     def __init__(self, cfg: dict):
         self.engine = cfg["engine"]
         self.error: str | None = None
-        self._cfg = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-        json.dump(cfg, self._cfg)
-        self._cfg.close()
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(cfg, f)
+        self._cfg = Path(f.name)
         self._err = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, self._cfg.name], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._err, text=True)
-        self._ask(None)  # the warm-up run
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(self._cfg)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self._err, text=True)
+        except BaseException:
+            self._cfg.unlink(missing_ok=True)
+            self._err.close()
+            raise
+
+    def start(self) -> None:
+        """Wait for the child to load and warm up (or fail: ``error``)."""
+        self._ask(None)
+        self._cfg.unlink(missing_ok=True)  # read by now, or never
 
     def _ask(self, line: str | None) -> dict | None:
         if self.error is not None:
@@ -138,44 +152,55 @@ class Child:
                 self.proc.stdin.write(line + "\n")
                 self.proc.stdin.flush()
             reply = self.proc.stdout.readline()
-        except (BrokenPipeError, OSError):
+        except OSError:  # a broken pipe: the child is gone
             reply = ""
         if not reply:
-            self.proc.wait()
+            rc = self.proc.wait()
             self._err.seek(0)
-            self.error = (self._err.read().strip().splitlines() or [f"exited with {self.proc.returncode}"])[-1]
+            last = (self._err.read().strip().splitlines() or [""])[-1]
+            self.error = f"exited with {rc}" + (f": {last}" if last else "") if rc != 0 or not last else last
             return None
         return json.loads(reply)
 
     def run(self) -> dict:
-        """One measured run: prefill and decode speeds, TTFT; or the child's error."""
+        """One measured run: prefill and decode speeds, TTFT, start time; or the child's error."""
         got = self._ask("run")
         return got if got is not None else {"engine": self.engine, "error": self.error}
 
     def close(self) -> float | None:
         """Stop the child; its peak RSS in MB (None if it failed)."""
         got = self._ask("quit")
+        self.end()
+        return got["peak_rss_mb"] if got else None
+
+    def end(self) -> None:
+        """End the child (killed if it has not exited within 30 s) and free its pipes and files."""
         if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        Path(self._cfg.name).unlink(missing_ok=True)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        self._cfg.unlink(missing_ok=True)
         self._err.close()
-        return got["peak_rss_mb"] if got else None
 
 
 def measure(engines: dict[str, dict], base: dict, turns: int, first_turn: int = 0) -> list[dict[str, dict]]:
     """Start every engine's child (one after another, each warmed up), then ``turns`` times let each run once,
-    in an order rotated every turn; one {engine: result} per turn, each result with the child's peak RSS."""
+    in ``turn_order``; one {engine: result} per turn, each result with the child's peak RSS."""
     kids: dict[str, Child] = {}
     try:
         for name, cfg in engines.items():
             kids[name] = Child({**base, **cfg})
+            kids[name].start()
         out = []
         for t in range(turns):
-            got = {name: kids[name].run() for name in rotated(list(engines), first_turn + t)}
+            got = {name: kids[name].run() for name in turn_order(list(engines), first_turn + t)}
             out.append({name: got[name] for name in engines})
         for name, kid in kids.items():
             rss = kid.close()
@@ -184,16 +209,19 @@ def measure(engines: dict[str, dict], base: dict, turns: int, first_turn: int = 
                     turn[name] = {**turn[name], "peak_rss_mb": rss} if rss is not None else {"engine": kid.engine, "error": kid.error}
     finally:
         for kid in kids.values():
-            if kid.proc.poll() is None:
+            if kid.proc.poll() is None:  # an exception left it running
                 kid.proc.kill()
-                kid.proc.wait()
+            kid.end()
     return out
 
 
-def rotated(names: list[str], r: int) -> list[str]:
-    """Turn ``r``'s engine order: ``names`` rotated by ``r``."""
-    k = r % len(names) if names else 0
-    return names[k:] + names[:k]
+def turn_order(names: list[str], t: int) -> list[str]:
+    """Turn ``t``'s engine order: ``names`` rotated by ``t // 2``, and reversed when ``t`` is odd. Over 2 x len(names)
+    turns every engine runs at every place twice, after each of its two neighbours in ``names`` (any other engine when
+    there are three)."""
+    k = (t // 2) % len(names) if names else 0
+    order = names[k:] + names[:k]
+    return order[::-1] if t % 2 else order
 
 
 def aggregate(turns: list[dict[str, dict]], refs: tuple[str, ...] = ("hf-eager", "llama.cpp")) -> dict[str, dict]:
@@ -236,6 +264,8 @@ def main() -> None:
     args = ap.parse_args()
     if not args.bundle:
         ap.error("give at least one --bundle NAME=DIR")
+    if args.new_tokens < 2:
+        ap.error("--new-tokens must be at least 2 (the first token comes from the prefill; decode speed needs one more)")
     from llmc.runtime.bench import default_text
 
     bundles = dict(b.split("=", 1) for b in args.bundle)

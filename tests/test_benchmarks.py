@@ -21,12 +21,19 @@ def _res(pre, dec, rss=100.0):
     return {"prefill_tok_s": pre, "decode_tok_s": dec, "ttft_s": 1.0 / pre, "peak_rss_mb": rss}
 
 
-def test_turn_orders_rotate(compare):
+def test_turn_orders(compare):
+    """Forward then backward, rotated every two turns: over 2 x n turns every engine runs at every place twice, and
+    never always after the same engine."""
     names = ["a", "b", "hf-eager", "llama.cpp"]
-    orders = [compare.rotated(names, r) for r in range(4)]
-    assert orders[0] == names and orders[1] == ["b", "hf-eager", "llama.cpp", "a"]
+    orders = [compare.turn_order(names, t) for t in range(8)]
+    assert orders[0] == names and orders[1] == names[::-1] and orders[2] == ["b", "hf-eager", "llama.cpp", "a"]
     assert all(sorted(o) == sorted(names) for o in orders)
-    assert [o[0] for o in orders] == names  # every engine runs first once in four turns
+    for place in range(4):
+        assert sorted(o[place] for o in orders) == sorted(names * 2)
+    for name in names:
+        before = {o[o.index(name) - 1] for o in orders if o.index(name) > 0}
+        assert len(before) == 2
+    assert compare.turn_order(names, 8) == names
 
 
 def test_ratios_are_medians_of_per_turn_ratios(compare):
@@ -71,7 +78,7 @@ def test_prompts_are_llmc_bench_s_natural_text(compare, bundles, tmp_path):
 
 
 def test_engines_take_turns_run_by_run(compare, bundles):
-    """Every engine's child loads once, then runs once a turn, the order rotated each turn; a child that fails
+    """Every engine's child loads once, then runs once a turn, in turn_order; a child that fails
     (here: no bundle) is reported in every turn without holding up the others."""
     b = str(bundles("llama"))
     base = {"ids": list(range(5, 17)), "new_tokens": 3, "threads": 1, "gguf": ""}
@@ -84,10 +91,60 @@ def test_engines_take_turns_run_by_run(compare, bundles):
             r = t[name]
             assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["ttft_s"] > 0 and r["peak_rss_mb"] > 50
         assert "error" in t["gone"] and "missing" in t["gone"]["error"]
-    # turn 0 runs a before b, turn 1 b before a (the failed engine's turn is skipped)
+    # turn 0 runs a before b, turn 1 (reversed) b before a (the failed engine's turn is skipped)
     assert turns[0]["a"]["started"] < turns[0]["b"]["started"]
     assert turns[1]["b"]["started"] < turns[1]["a"]["started"]
     assert turns[0]["b"]["started"] < turns[1]["b"]["started"] < turns[2]["a"]["started"]
     out = compare.aggregate(turns, refs=("a",))
     assert out["gone"]["error"] == turns[0]["gone"]["error"]
     assert out["b"]["ratios"]["prefill/a"]["min"] <= out["b"]["ratios"]["prefill/a"]["median"]
+
+
+def _child_cfg(bundle) -> dict:
+    return {"ids": list(range(5, 17)), "new_tokens": 3, "threads": 1, "gguf": "", "engine": "llmc", "bundle": str(bundle)}
+
+
+def test_a_child_that_dies_is_reported_and_cleaned_up(compare, bundles):
+    kid = compare.Child(_child_cfg(bundles("llama")))
+    kid.start()
+    assert not kid._cfg.exists()  # read at start: nothing left in the temporary directory
+    assert kid.run()["prefill_tok_s"] > 0
+    kid.proc.kill()
+    got = kid.run()
+    assert got["error"].startswith("exited with -9") and kid.error == got["error"]
+    assert kid.run() == got  # and stays failed
+    assert kid.close() is None and kid.proc.returncode == -9 and kid.proc.stdin.closed and kid.proc.stdout.closed
+
+
+def test_an_exception_in_the_parent_ends_every_child(compare, bundles, monkeypatch):
+    made = []
+    real_init, real_run = compare.Child.__init__, compare.Child.run
+
+    def init(self, cfg):
+        real_init(self, cfg)
+        made.append(self)
+
+    calls = []
+
+    def run(self):
+        calls.append(self)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_run(self)
+
+    monkeypatch.setattr(compare.Child, "__init__", init)
+    monkeypatch.setattr(compare.Child, "run", run)
+    b = bundles("llama")
+    base = {k: v for k, v in _child_cfg(b).items() if k not in ("engine", "bundle")}
+    with pytest.raises(KeyboardInterrupt):
+        compare.measure({"x": {"engine": "llmc", "bundle": str(b)}, "y": {"engine": "llmc", "bundle": str(b)}}, base, 2)
+    assert len(made) == 2 and all(k.proc.returncode is not None and not k._cfg.exists() for k in made)
+
+
+def test_new_tokens_below_two_is_refused():
+    import subprocess
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "compare.py"
+    r = subprocess.run([sys.executable, str(path), "--bundle", "x=nowhere", "--new-tokens", "1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--new-tokens must be at least 2" in r.stderr
