@@ -3,7 +3,8 @@
 Every engine runs in its own child process (one process tree, one run, no
 thread pools fighting each other) on the same token ids: the first tokens of
 ``llmc bench``'s natural-English text (CPython's LICENSE.txt) or of
-``--prompt-file``. The parent prints a table and the ratios against HF eager
+``--prompt-file``. The parent prints the machine it ran on (CPU, flags, package
+versions), a table and the ratios against HF eager
 fp32 (and llama.cpp when ``llama-cpp-python`` is installed; it is skipped with a
 note otherwise).
 
@@ -250,6 +251,47 @@ def aggregate(turns: list[dict[str, dict]], refs: tuple[str, ...] = ("hf-eager",
     return out
 
 
+# the CPU features the engines' kernels choose by (MLAS's int8 kernels, llmc's native ops, llama.cpp's)
+FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8")
+PACKAGES = ("llmc", "onnxruntime", "torch", "transformers", "llama_cpp_python")
+
+
+def machine(cpuinfo: str = "/proc/cpuinfo") -> dict:
+    """What the numbers were measured on: the CPU's model, its logical CPUs and the flags in ``FLAGS`` it has, and
+    the versions of the packages in ``PACKAGES`` (None where one is not installed)."""
+    import os
+    import platform
+    from importlib import metadata
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"cpu": model, "cpus": os.cpu_count(), "flags": [f for f in FLAGS if f in flags],
+            "python": platform.python_version(), "packages": {name: version(name) for name in PACKAGES}}
+
+
+def describe(m: dict) -> str:
+    """``machine()``'s facts in one line."""
+    packages = ", ".join(f"{k.replace('_python', '')} {v}" for k, v in m["packages"].items() if v)
+    return f"machine: {m['cpu']}, {m['cpus']} CPUs ({' '.join(m['flags']) or 'none of ' + ' '.join(FLAGS)}); Python {m['python']}, {packages}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", action="append", default=[], metavar="NAME=DIR", help="a compiled bundle to measure (repeatable)")
@@ -300,10 +342,11 @@ def main() -> None:
             turns += measure(engines, base, max(args.repeat, 1), first_turn=len(turns))
         rows.append({"prompt_tokens": n_eff, "results": aggregate(turns), "turns": turns})
     if args.json:
-        print(json.dumps({"runs": rows, "llama_cpp": have_llama, "prompt_text": text_name}))
+        print(json.dumps({"runs": rows, "llama_cpp": have_llama, "prompt_text": text_name, "machine": machine()}))
         return
     if not have_llama:
         print("note: llama-cpp-python is not installed; llama.cpp skipped (pip install llama-cpp-python builds it from source)")
+    print(describe(machine()))
     print(f"prompts: the first tokens of {text_name}")
     for row in rows:
         res = row["results"]

@@ -148,3 +148,19 @@ def test_new_tokens_below_two_is_refused():
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "compare.py"
     r = subprocess.run([sys.executable, str(path), "--bundle", "x=nowhere", "--new-tokens", "1"], capture_output=True, text=True)
     assert r.returncode == 2 and "--new-tokens must be at least 2" in r.stderr
+
+
+def test_the_machine_is_recorded(compare, tmp_path):
+    """The run's CPU (model, CPUs, the flags kernels choose by) and package versions go with the numbers."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9R14\n"
+                    "flags\t\t: fpu sse2 avx2 fma f16c avx512f avx512_vnni avx512_bf16\n")
+    m = compare.machine(str(info))
+    assert m["cpu"] == "AMD EPYC 9R14" and m["flags"] == ["avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16"]
+    import onnxruntime
+
+    assert m["packages"]["onnxruntime"] == onnxruntime.__version__ and m["packages"]["llmc"]
+    line = compare.describe(m)
+    assert line.startswith("machine: AMD EPYC 9R14, ") and "avx512_vnni" in line and f"onnxruntime {onnxruntime.__version__}" in line
+    bare = compare.machine(str(tmp_path / "missing"))
+    assert bare["flags"] == [] and "none of avx2" in compare.describe(bare)
