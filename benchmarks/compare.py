@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import select
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+TIMEOUT = 1800.0  # seconds for a child's load and warm-up, or one run (HF eager's 2,048-token run takes about 20 s here)
 
 # A child loads one engine, runs once to warm up and says it is ready; then every "run" line on its stdin
 # is one measured run (prefill the prompt, decode new_tokens - 1 more), answered with one JSON line, and
@@ -125,8 +128,9 @@ class Child:
     """One engine in its own process, measured run by run (see ``CHILD``). Made, it is loading; ``start`` waits for its
     warm-up; ``close`` ends it (``end`` without asking for its peak RSS)."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, timeout: float = TIMEOUT):
         self.engine = cfg["engine"]
+        self.timeout = timeout  # seconds a reply (the warm-up, a run) may take before the child is killed
         self.error: str | None = None
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(cfg, f)
@@ -152,6 +156,11 @@ class Child:
             if line is not None:
                 self.proc.stdin.write(line + "\n")
                 self.proc.stdin.flush()
+            if not select.select([self.proc.stdout], [], [], self.timeout)[0]:
+                self.proc.kill()
+                self.proc.wait()
+                self.error = f"no reply within {self.timeout:g} s: killed (--timeout)"
+                return None
             reply = self.proc.stdout.readline()
         except OSError:  # a broken pipe: the child is gone
             reply = ""
@@ -191,13 +200,13 @@ class Child:
         self._err.close()
 
 
-def measure(engines: dict[str, dict], base: dict, turns: int, first_turn: int = 0) -> list[dict[str, dict]]:
+def measure(engines: dict[str, dict], base: dict, turns: int, first_turn: int = 0, timeout: float = TIMEOUT) -> list[dict[str, dict]]:
     """Start every engine's child (one after another, each warmed up), then ``turns`` times let each run once,
     in ``turn_order``; one {engine: result} per turn, each result with the child's peak RSS."""
     kids: dict[str, Child] = {}
     try:
         for name, cfg in engines.items():
-            kids[name] = Child({**base, **cfg})
+            kids[name] = Child({**base, **cfg}, timeout)
             kids[name].start()
         out = []
         for t in range(turns):
@@ -300,6 +309,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5, help="measured turns: every engine runs once a turn, the engines taking turns")
     ap.add_argument("--rounds", type=int, default=1, help="start the engines' processes afresh this many times, --repeat turns each")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=TIMEOUT,
+                    help=f"seconds an engine's load and warm-up, or one run, may take before it is killed and reported (default {TIMEOUT:g})")
     ap.add_argument("--gguf", default=None, help="GGUF for the reference engines (default: the bundled SmolLM2)")
     ap.add_argument("--prompt-file", default=None, help="UTF-8 text the prompts are cut from (default: llmc bench's, CPython's LICENSE.txt)")
     ap.add_argument("--json", action="store_true")
@@ -339,7 +350,7 @@ def main() -> None:
             engines["llama.cpp"] = {"engine": "llama.cpp"}
         turns = []
         for r in range(max(args.rounds, 1)):
-            turns += measure(engines, base, max(args.repeat, 1), first_turn=len(turns))
+            turns += measure(engines, base, max(args.repeat, 1), first_turn=len(turns), timeout=args.timeout)
         rows.append({"prompt_tokens": n_eff, "results": aggregate(turns), "turns": turns})
     if args.json:
         print(json.dumps({"runs": rows, "llama_cpp": have_llama, "prompt_text": text_name, "machine": machine()}))

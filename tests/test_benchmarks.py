@@ -120,8 +120,8 @@ def test_an_exception_in_the_parent_ends_every_child(compare, bundles, monkeypat
     made = []
     real_init, real_run = compare.Child.__init__, compare.Child.run
 
-    def init(self, cfg):
-        real_init(self, cfg)
+    def init(self, cfg, *args):
+        real_init(self, cfg, *args)
         made.append(self)
 
     calls = []
@@ -164,3 +164,10 @@ def test_the_machine_is_recorded(compare, tmp_path):
     assert line.startswith("machine: AMD EPYC 9R14, ") and "avx512_vnni" in line and f"onnxruntime {onnxruntime.__version__}" in line
     bare = compare.machine(str(tmp_path / "missing"))
     assert bare["flags"] == [] and "none of avx2" in compare.describe(bare)
+
+
+def test_a_child_that_does_not_answer_in_time_is_killed(compare, bundles):
+    kid = compare.Child(_child_cfg(bundles("llama")), timeout=0.01)  # loading a bundle takes longer
+    kid.start()
+    assert kid.error == "no reply within 0.01 s: killed (--timeout)" and kid.proc.returncode == -9
+    assert kid.run() == {"engine": "llmc", "error": kid.error} and kid.close() is None
