@@ -1072,17 +1072,23 @@ def test_w8a8_matmul_row_ranges_from_the_environment(native_kernels, monkeypatch
         np.testing.assert_array_equal(got, _w8_reference(x, w, 0.02, 128))
 
 
-@pytest.mark.parametrize("table,rows,pack", [(np.float16, 3, 0), (np.float32, 3, 0), (np.float16, 1, 0), (np.float32, 1, 0),
-                                            (np.float16, 1, 1), (np.float32, 3, 1)])
-def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table, rows, pack):
+@pytest.mark.parametrize("table,rows,pack,k,n,hi", [
+    (np.float16, 3, 0, 96, 130, 0.75), (np.float32, 3, 0, 96, 130, 0.75), (np.float16, 1, 0, 96, 130, 0.75),
+    (np.float32, 1, 0, 96, 130, 0.75), (np.float16, 1, 1, 96, 130, 0.75), (np.float32, 3, 1, 96, 130, 0.75),
+    # decode rows large enough for both threads: with the packed weights the correction's columns (1,024 a task, the
+    # last one 76 wide, a partial vector) are tasks of the sums' loop; float16 and float32 tables, and no outliers
+    (np.float16, 1, 1, 576, 1100, 0.75), (np.float32, 1, 1, 576, 1100, 0.75), (np.float16, 1, 1, 576, 1100, 1e4),
+    (np.float16, 1, 0, 576, 1100, 0.75),
+])
+def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table, rows, pack, k, n, hi):
     """With a weight table (input 3, attributes lo and hi), a residual (input 4) and a norm weight (input 5, attribute
     epsilon), W8A8MatMul computes what RMSNorm, W8A8MatMul alone and ShadowCorrection (with that residual) compute one
     after the other, bit for bit: the outliers and codes are the normalised row's. One row (decode, whose row ranges
-    fetch the outliers' table rows ahead) and several."""
+    fetch the outliers' table rows ahead, or whose packed loop does the correction too) and several."""
     from onnx import TensorProto, helper, numpy_helper
 
-    rng = np.random.default_rng(8 + rows)
-    k, n, lo, hi = 96, 130, -0.75, 0.75
+    rng = np.random.default_rng(8 + rows + k)
+    lo = -hi
     w = _w8_weights(rng, k, n, np.int8, True)
     wt = rng.standard_normal((k, n)).astype(table)
     g = rng.uniform(0.5, 1.5, k).astype(np.float32)
@@ -1090,7 +1096,7 @@ def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table, rows, p
     r = rng.standard_normal((rows, n)).astype(np.float32)
     attrs = {"x_scale": 0.006, "x_zero_point": 128}
     xn = _rms_norm(x, g, 0.25, native_kernels)
-    assert (np.abs(xn) > hi).any()  # some outliers
+    assert (np.abs(xn) > hi).any() == (hi < 1)  # some outliers, or none
     base = _session(_w8_model(k, n, w, **attrs), native_kernels).run(None, {"x": xn})[0]
     corr = helper.make_node("ShadowCorrection", ["x", "wt", "base", "residual"], ["y"], domain="ai.llmc", lo=lo, hi=hi)
     inputs = [helper.make_tensor_value_info(v, TensorProto.FLOAT, [rows, c]) for v, c in (("x", k), ("base", n), ("residual", n))]

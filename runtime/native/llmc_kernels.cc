@@ -2135,6 +2135,38 @@ void w8_pack_task(void* data, size_t t) {
   for (int v = 0; v < 4; ++v) _mm512_storeu_si512(p.colsum.data() + c0 + 16 * v, sums[v]);
 }
 
+// One decode row's shadow correction, sum_i excess_i * table[channel_i] over its outliers in order (as ShadowCorrection's
+// tile_row sums it), done by tasks of the sums' parallel loop: each takes kCorrectionColumns columns and reads every
+// outlier's slice of them in address order, into a buffer that the caller adds after the loop. On its own thread after
+// the sums it waited on each table row's first lines from memory (2-4 us a projection for SmolLM2, the other thread idle).
+constexpr int64_t kCorrectionColumns = 1024;
+
+struct W8Correction {
+  const void* table;  // [K, N], float16 or float32
+  bool half;
+  const int32_t* channels;
+  const float* excess;
+  int64_t outliers, n;
+  float* sums;  // [N]
+};
+
+// Columns [c0, c1): whole vectors as tile_row sums them, the last few columns one at a time as tail_row does (the
+// compiler contracts the two differently, and the result is ShadowCorrection's bit for bit).
+template <typename W>
+void correction_columns(const W8Correction& job, const W* table, int64_t c0, int64_t c1) {
+  int64_t c = c0;
+  for (; c + kNative <= c1; c += kNative) {
+    NVec acc = {};
+    for (int64_t i = 0; i < job.outliers; ++i) acc += nsplat(job.excess[i]) * nload16(table + static_cast<int64_t>(job.channels[i]) * job.n + c);
+    nstore(job.sums + c, acc);
+  }
+  for (; c < c1; ++c) {
+    float acc = 0.0f;
+    for (int64_t i = 0; i < job.outliers; ++i) acc += job.excess[i] * load1(table + static_cast<int64_t>(job.channels[i]) * job.n + c);
+    job.sums[c] = acc;
+  }
+}
+
 struct W8PackedJob {
   const W8Packed* p;
   const uint8_t* codes;  // the row's uint8 codes, four per group of rows (zero past K)
@@ -2144,6 +2176,9 @@ struct W8PackedJob {
   bool per_channel;
   int64_t n;
   float* y;  // the row's result
+  // the row's correction (or null): the loop's first corrections tasks are its columns, the packed blocks follow
+  const W8Correction* correction = nullptr;
+  int64_t corrections = 0;
 };
 
 inline int32_t four_codes(const uint8_t* codes, int64_t g) {
@@ -2155,6 +2190,16 @@ inline int32_t four_codes(const uint8_t* codes, int64_t g) {
 // Task t: packed block t's 64 columns of y, (sum(codes * w) - zero_point * colsum) * (x_scale * w_scale).
 void w8_packed_task(void* data, size_t t) {
   const W8PackedJob& job = *static_cast<const W8PackedJob*>(data);
+  if (static_cast<int64_t>(t) < job.corrections) {
+    const W8Correction& c = *job.correction;
+    const int64_t c0 = static_cast<int64_t>(t) * kCorrectionColumns, c1 = std::min(c.n, c0 + kCorrectionColumns);
+    if (c.half)
+      correction_columns(c, static_cast<const uint16_t*>(c.table), c0, c1);
+    else
+      correction_columns(c, static_cast<const float*>(c.table), c0, c1);
+    return;
+  }
+  t -= static_cast<size_t>(job.corrections);
   const W8Packed& p = *job.p;
   const int64_t b = static_cast<int64_t>(t), c0 = b * kW8Block;
   const int8_t* src = p.w.get() + b * p.groups * kW8Block * 4;
@@ -2390,6 +2435,30 @@ struct W8Kernel {
 #if LLMC_W8_PACKED
       if (pw != nullptr) {
         W8PackedJob pj{pw, codes.data(), quant.zero_point, quant.scale, w_scale.GetTensorData<float>(), scales != 1, n, out + r * n};
+        if (rows == 1 && parallel && wt_value != nullptr && (!outliers.channel.empty() || residual != nullptr)) {
+          // decode: the correction's columns are tasks of the loop, and y = residual + (sums + correction) after it
+          thread_local std::vector<float> sums;
+          grow(sums, n);
+          W8Correction c{Ort::ConstValue{wt_value}.GetTensorRawData(), wt_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
+                         outliers.channel.data(), outliers.excess.data(), static_cast<int64_t>(outliers.channel.size()), n, sums.data()};
+          if (c.outliers > 0) {
+            pj.correction = &c;
+            pj.corrections = (n + kCorrectionColumns - 1) / kCorrectionColumns;
+          } else {
+            std::fill(sums.begin(), sums.begin() + n, 0.0f);
+          }
+          ctx.ParallelFor(w8_packed_task, static_cast<size_t>(pj.corrections + pw->blocks), 0, &pj);
+          int64_t j = 0;
+          for (; j + kNative <= n; j += kNative) {
+            const NVec y = nload(out + j) + nload(sums.data() + j);
+            nstore(out + j, residual != nullptr ? nload(residual + j) + y : y);
+          }
+          for (; j < n; ++j) {
+            const float y = out[j] + sums[static_cast<size_t>(j)];
+            out[j] = residual != nullptr ? residual[j] + y : y;
+          }
+          return;
+        }
         if (parallel)
           ctx.ParallelFor(w8_packed_task, static_cast<size_t>(pw->blocks), 0, &pj);
         else
