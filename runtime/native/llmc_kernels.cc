@@ -2450,12 +2450,12 @@ struct W8Kernel {
           ctx.ParallelFor(w8_packed_task, static_cast<size_t>(pj.corrections + pw->blocks), 0, &pj);
           int64_t j = 0;
           for (; j + kNative <= n; j += kNative) {
-            const NVec y = nload(out + j) + nload(sums.data() + j);
-            nstore(out + j, residual != nullptr ? nload(residual + j) + y : y);
+            const NVec v = nload(out + j) + nload(sums.data() + j);
+            nstore(out + j, residual != nullptr ? nload(residual + j) + v : v);
           }
           for (; j < n; ++j) {
-            const float y = out[j] + sums[static_cast<size_t>(j)];
-            out[j] = residual != nullptr ? residual[j] + y : y;
+            const float v = out[j] + sums[static_cast<size_t>(j)];
+            out[j] = residual != nullptr ? residual[j] + v : v;
           }
           return;
         }
