@@ -167,8 +167,8 @@ class Child:
         if not reply:
             rc = self.proc.wait()
             self._err.seek(0)
-            last = (self._err.read().strip().splitlines() or [""])[-1]
-            self.error = f"exited with {rc}" + (f": {last}" if last else "") if rc != 0 or not last else last
+            last = (self._err.read().strip().splitlines() or [""])[-1]  # the child's own message, if it wrote one
+            self.error = last if rc == 0 and last else f"exited with {rc}" + (f": {last}" if last else "")
             return None
         return json.loads(reply)
 
@@ -272,16 +272,12 @@ def machine(cpuinfo: str = "/proc/cpuinfo") -> dict:
     import platform
     from importlib import metadata
 
-    model, flags = platform.processor() or platform.machine(), set()
+    from llmc.runtime.cpu import cpu_flags
+
+    model, flags = platform.processor() or platform.machine(), cpu_flags(cpuinfo)
     try:
         with open(cpuinfo, encoding="ascii", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
+            model = next((v.strip() for k, _, v in (line.partition(":") for line in f) if k.strip() == "model name" and v.strip()), model)
     except OSError:
         pass
 

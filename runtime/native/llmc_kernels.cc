@@ -455,10 +455,13 @@ void run_task(void* data, size_t t) {
 // 1,536 on one thread while the others waited), or, for fewer than kShadowTasks rows, they are found here first.
 // With swiglu (gate >= 0) y is SwiGLU's of those rows, [rows, swiglu.width], and a task takes whole rows (one group of
 // tiles): fewer rows than kShadowTasks then make fewer tasks (a partial chunk's few rows; a chunk's 256 make 16).
-template <typename W>
-void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, int64_t k, float lo, float hi, const W* wt, const float* base,
-             const float* residual, float* y, int64_t rows, int64_t n, const SwigluAfter& swiglu = {}) {
-  if (rows == 0 || n == 0) return;  // an empty result
+// The tasks a correction of rows x n is cut into (a Job's tiles, width, block_rows, group_tiles and groups).
+struct Tiling {
+  int64_t tiles, width, block_rows, group_tiles, groups;
+  size_t tasks;
+};
+
+inline Tiling correction_tiling(int64_t rows, int64_t n, bool whole_rows) {
   // columns in as few tiles of at most kTile as there can be, of even widths (whole vectors but the last's end)
   const int64_t most = (n + kTile - 1) / kTile;
   const int64_t width = ((n + most - 1) / most + kNative - 1) / kNative * kNative, tiles = (n + width - 1) / width;
@@ -466,9 +469,17 @@ void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, 
   // tiles to make up at least kShadowTasks tasks (a prompt's last row through the LM head: its 49,152 columns in 16
   // groups); blocks and groups of equal size but the last, none empty
   const int64_t block_rows = (rows + kShadowTasks - 1) / kShadowTasks, row_blocks = (rows + block_rows - 1) / block_rows;
-  const int64_t want = swiglu.gate >= 0 ? 1 : std::min(tiles, (kShadowTasks + row_blocks - 1) / row_blocks);  // SwiGLU: whole rows
+  const int64_t want = whole_rows ? 1 : std::min(tiles, (kShadowTasks + row_blocks - 1) / row_blocks);
   const int64_t group_tiles = (tiles + want - 1) / want, groups = (tiles + group_tiles - 1) / group_tiles;
-  const size_t tasks = static_cast<size_t>(row_blocks * groups);
+  return {tiles, width, block_rows, group_tiles, groups, static_cast<size_t>(row_blocks * groups)};
+}
+
+template <typename W>
+void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, int64_t k, float lo, float hi, const W* wt, const float* base,
+             const float* residual, float* y, int64_t rows, int64_t n, const SwigluAfter& swiglu = {}) {
+  if (rows == 0 || n == 0) return;  // an empty result
+  const Tiling tiling = correction_tiling(rows, n, swiglu.gate >= 0);  // SwiGLU: whole rows
+  const size_t tasks = tiling.tasks;
   thread_local Outliers found;             // the caller's: a few rows' outliers
   thread_local std::vector<Outliers> own;  // the caller's: each task's outliers, where the tasks find them
   if (outliers == nullptr && rows < kShadowTasks) {  // a few rows (the prompt's last, say): found first, and their count decides the threads
@@ -476,8 +487,8 @@ void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, 
     outliers = &found;
   }
   if (outliers == nullptr && own.size() < tasks) own.resize(tasks);
-  Job<W> job{outliers, outliers == nullptr ? own.data() : nullptr, x, k, lo, hi, wt, base, residual, y, rows, n, tiles, width, block_rows,
-             group_tiles, groups, swiglu};
+  Job<W> job{outliers, outliers == nullptr ? own.data() : nullptr, x, k, lo, hi, wt, base, residual, y, rows, n, tiling.tiles, tiling.width,
+             tiling.block_rows, tiling.group_tiles, tiling.groups, swiglu};
   // the correction's multiply-adds, or, before the outliers are found, their estimate: about 1% of x's entries
   // (calibration's clip at the 99th percentile), and a row's read of x and write of y
   const size_t work = outliers != nullptr ? outliers->channel.size() * static_cast<size_t>(n)
@@ -2135,37 +2146,7 @@ void w8_pack_task(void* data, size_t t) {
   for (int v = 0; v < 4; ++v) _mm512_storeu_si512(p.colsum.data() + c0 + 16 * v, sums[v]);
 }
 
-// One decode row's shadow correction, sum_i excess_i * table[channel_i] over its outliers in order (as ShadowCorrection's
-// tile_row sums it), done by tasks of the sums' parallel loop: each takes kCorrectionColumns columns and reads every
-// outlier's slice of them in address order, into a buffer that the caller adds after the loop. On its own thread after
-// the sums it waited on each table row's first lines from memory (2-4 us a projection for SmolLM2, the other thread idle).
 constexpr int64_t kCorrectionColumns = 1024;
-
-struct W8Correction {
-  const void* table;  // [K, N], float16 or float32
-  bool half;
-  const int32_t* channels;
-  const float* excess;
-  int64_t outliers, n;
-  float* sums;  // [N]
-};
-
-// Columns [c0, c1): whole vectors as tile_row sums them, the last few columns one at a time as tail_row does (the
-// compiler contracts the two differently, and the result is ShadowCorrection's bit for bit).
-template <typename W>
-void correction_columns(const W8Correction& job, const W* table, int64_t c0, int64_t c1) {
-  int64_t c = c0;
-  for (; c + kNative <= c1; c += kNative) {
-    NVec acc = {};
-    for (int64_t i = 0; i < job.outliers; ++i) acc += nsplat(job.excess[i]) * nload16(table + static_cast<int64_t>(job.channels[i]) * job.n + c);
-    nstore(job.sums + c, acc);
-  }
-  for (; c < c1; ++c) {
-    float acc = 0.0f;
-    for (int64_t i = 0; i < job.outliers; ++i) acc += job.excess[i] * load1(table + static_cast<int64_t>(job.channels[i]) * job.n + c);
-    job.sums[c] = acc;
-  }
-}
 
 struct W8PackedJob {
   const W8Packed* p;
@@ -2176,8 +2157,13 @@ struct W8PackedJob {
   bool per_channel;
   int64_t n;
   float* y;  // the row's result
-  // the row's correction (or null): the loop's first corrections tasks are its columns, the packed blocks follow
-  const W8Correction* correction = nullptr;
+  // One decode row's shadow correction (ShadowCorrection's tasks, run_task, over a Job without base or residual, into
+  // a buffer the caller adds after the loop), as the loop's first `corrections` tasks, of kCorrectionColumns columns
+  // each; the packed blocks follow, so that one thread reads the table rows while the other streams the weights. On
+  // its own thread after the sums it waited on each table row's first lines from memory (2-4 us a projection for
+  // SmolLM2, the other thread idle); as ShadowCorrection's 16 tasks, both threads read the table first (0-5% slower).
+  void (*correction)(void*, size_t) = nullptr;
+  void* correction_job = nullptr;
   int64_t corrections = 0;
 };
 
@@ -2191,12 +2177,7 @@ inline int32_t four_codes(const uint8_t* codes, int64_t g) {
 void w8_packed_task(void* data, size_t t) {
   const W8PackedJob& job = *static_cast<const W8PackedJob*>(data);
   if (static_cast<int64_t>(t) < job.corrections) {
-    const W8Correction& c = *job.correction;
-    const int64_t c0 = static_cast<int64_t>(t) * kCorrectionColumns, c1 = std::min(c.n, c0 + kCorrectionColumns);
-    if (c.half)
-      correction_columns(c, static_cast<const uint16_t*>(c.table), c0, c1);
-    else
-      correction_columns(c, static_cast<const float*>(c.table), c0, c1);
+    job.correction(job.correction_job, t);
     return;
   }
   t -= static_cast<size_t>(job.corrections);
@@ -2439,14 +2420,25 @@ struct W8Kernel {
           // decode: the correction's columns are tasks of the loop, and y = residual + (sums + correction) after it
           thread_local std::vector<float> sums;
           grow(sums, n);
-          W8Correction c{Ort::ConstValue{wt_value}.GetTensorRawData(), wt_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
-                         outliers.channel.data(), outliers.excess.data(), static_cast<int64_t>(outliers.channel.size()), n, sums.data()};
-          if (c.outliers > 0) {
-            pj.correction = &c;
-            pj.corrections = (n + kCorrectionColumns - 1) / kCorrectionColumns;
-          } else {
+          Tiling tiling = correction_tiling(1, n, false);  // its tiles, in groups of about kCorrectionColumns columns
+          tiling.group_tiles = std::max<int64_t>(1, kCorrectionColumns / tiling.width);
+          tiling.groups = (tiling.tiles + tiling.group_tiles - 1) / tiling.group_tiles;
+          tiling.tasks = static_cast<size_t>(tiling.groups);
+          const void* table = Ort::ConstValue{wt_value}.GetTensorRawData();
+          Job<uint16_t> half{&outliers, nullptr, xs, k, lo, hi, static_cast<const uint16_t*>(table), nullptr, nullptr, sums.data(), 1, n,
+                             tiling.tiles, tiling.width, tiling.block_rows, tiling.group_tiles, tiling.groups, {}};
+          Job<float> single{&outliers, nullptr, xs, k, lo, hi, static_cast<const float*>(table), nullptr, nullptr, sums.data(), 1, n,
+                            tiling.tiles, tiling.width, tiling.block_rows, tiling.group_tiles, tiling.groups, {}};
+          if (outliers.channel.empty()) {
             std::fill(sums.begin(), sums.begin() + n, 0.0f);
+          } else if (wt_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
+            pj.correction = run_task<uint16_t>;
+            pj.correction_job = &half;
+          } else {
+            pj.correction = run_task<float>;
+            pj.correction_job = &single;
           }
+          if (pj.correction != nullptr) pj.corrections = static_cast<int64_t>(tiling.tasks);
           ctx.ParallelFor(w8_packed_task, static_cast<size_t>(pj.corrections + pw->blocks), 0, &pj);
           int64_t j = 0;
           for (; j + kNative <= n; j += kNative) {
