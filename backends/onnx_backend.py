@@ -446,9 +446,12 @@ class _Builder:
         if q.weights["wscale"].shape == (1,):  # a per-tensor scale: a scalar, as in the instances with stock ops
             self.scalar_weights.add(ins[2])
         attrs: dict[str, Any] = {"x_scale": float(a["x_scale"]), "x_zero_point": int(a["x_zero_point"])}
+        table: list[str] = []
         if shadow is not None:
-            ins.append(self.weight(shadow.weights["weight_t"]))
+            ins.append(self.weight(shadow.weights["codes"]))
             attrs.update(lo=float(shadow.attrs["lo"]), hi=float(shadow.attrs["hi"]))
+            table, hot = self.native_table(shadow)
+            attrs.update(hot)
         if residual is not None:
             ins += [""] * (4 - len(ins)) + [residual]
         if (inside := self.norm_inside(q.inputs[0])) is not None:
@@ -456,6 +459,8 @@ class _Builder:
             ins += [""] * (5 - len(ins)) + [weight]
         elif (gated := self.swiglu_inside(q.inputs[0])) is not None:
             ins[0], attrs["gate"], attrs["up"] = gated
+        if table:
+            ins += [""] * (6 - len(ins)) + table
         if self.pack_weights:
             attrs["pack"] = 1
             self.packed_weights.append(ins[1])
@@ -605,8 +610,19 @@ class _Builder:
             if (quant := self.quantized_by(v)) is not None:
                 outs.append(self.codes_of(v))
                 extra.update(scale=quant[0], zero_point=quant[1])
-        self.add("ShadowCorrection", [x, self.weight(n.weights["weight_t"]), *base], outs, f"{n.name}.native", domain=NATIVE_DOMAIN,
-                 lo=float(a["lo"]), hi=float(a["hi"]), **extra)
+        table, hot = self.native_table(n)
+        ins = [x, self.weight(n.weights["codes"]), *base]
+        self.add("ShadowCorrection", ins + [""] * (4 - len(ins)) + table, outs, f"{n.name}.native", domain=NATIVE_DOMAIN,
+                 lo=float(a["lo"]), hi=float(a["hi"]), **hot, **extra)
+
+    def native_table(self, n: Node) -> tuple[list[str], dict[str, Any]]:
+        """The inputs after a native op's weight table (its codes) that give a correction its values: the codes'
+        column scales and, with hot channels, their rows of ``hot_delta``; and the attribute ``hot_channels``."""
+        ins = [self.weight(n.weights["scale"])]
+        hot = list(n.attrs["hot_channels"])
+        if not hot:
+            return ins, {}
+        return ins + [self.weight(n.weights["hot_delta"])], {"hot_channels": [int(c) for c in hot]}
 
     def swiglu_after(self, shadow: Node) -> Node | None:
         """The :meth:`swiglu` Mul that the native correction ``shadow`` computes as well (ShadowCorrection's gate, up
@@ -656,8 +672,9 @@ class _Builder:
             self.add("Reshape", [f"{p}.delta", flat], [f"{p}.any"], f"{p}.any")
             self.add("Cast", [f"{p}.any"], [f"{p}.mask"], f"{p}.mask", to=9)  # bool: non-zero marks an outlier channel
             self.add("Compress", [f"{p}.any", f"{p}.mask"], [f"{p}.d"], f"{p}.select_x", axis=0)
-            self.add("Compress", [self.weight(n.weights["weight_t"]), f"{p}.mask"], [f"{p}.w"], f"{p}.select_w", axis=0)
-            self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr"], f"{p}.corr")
+            self.add("Compress", [self.weight(n.weights["codes"]), f"{p}.mask"], [f"{p}.wq"], f"{p}.select_w", axis=0)
+            self.add("MatMul", [f"{p}.d", self.widened_codes(n, f"{p}.wq")], [f"{p}.corr_q"], f"{p}.corr_q")
+            self.scaled_correction(n, f"{p}.corr_q")
             return
         # A chunk, in equal blocks of about 64 rows (llmc.runtime.kernels.shadow_blocks): each block's outlier
         # channels (where some row of the block has one), as many per block as the block with the most (a block
@@ -680,10 +697,37 @@ class _Builder:
         self.add("Unsqueeze", [f"{p}.chans", one], [f"{p}.chans3"], f"{p}.chans3")
         self.add("Expand", [f"{p}.chans3", spread], [f"{p}.idx"], f"{p}.idx")  # [B, R, M]
         self.add("GatherElements", [f"{p}.blocks", f"{p}.idx"], [f"{p}.d"], f"{p}.gather_x", axis=2)
-        self.add("Gather", [self.weight(n.weights["weight_t"]), f"{p}.chans"], [f"{p}.w"], f"{p}.gather_w", axis=0)  # [B, M, N]
-        self.add("MatMul", [f"{p}.d", f"{p}.w"], [f"{p}.corr3"], f"{p}.corr3")
-        flat = self.const(f"{p}.rows_n", np.array([-1, n.weights["weight_t"].shape[1]], np.int64))
-        self.add("Reshape", [f"{p}.corr3", flat], [f"{p}.corr"], f"{p}.unblock")
+        self.add("Gather", [self.weight(n.weights["codes"]), f"{p}.chans"], [f"{p}.wq"], f"{p}.gather_w", axis=0)  # [B, M, N]
+        self.add("MatMul", [f"{p}.d", self.widened_codes(n, f"{p}.wq")], [f"{p}.corr3"], f"{p}.corr3")
+        flat = self.const(f"{p}.rows_n", np.array([-1, n.weights["codes"].shape[1]], np.int64))
+        self.add("Reshape", [f"{p}.corr3", flat], [f"{p}.corr_q"], f"{p}.unblock")
+        self.scaled_correction(n, f"{p}.corr_q")
+
+    def widened_codes(self, n: Node, codes: str) -> str:
+        """The gathered rows ``codes`` of ``n``'s int8 (or uint8 + 128) table as floats, less the zero point."""
+        from onnx import TensorProto
+
+        p = n.name
+        self.add("Cast", [codes], [f"{p}.wf"], f"{p}.widen", to=TensorProto.FLOAT)
+        if not n.attrs["w_zero_point"]:
+            return f"{p}.wf"
+        zp = self.const(f"{p}.w_zero_point", np.array(n.attrs["w_zero_point"], np.float32))
+        self.add("Sub", [f"{p}.wf", zp], [f"{p}.w"], f"{p}.unoffset")
+        return f"{p}.w"
+
+    def scaled_correction(self, n: Node, corr: str) -> None:
+        """``{name}.corr``: ``corr`` (the outliers' excess times the codes) times the column scales, plus each hot
+        channel's excess times its row of ``hot_delta`` (dense over the few hot channels: the excess is zero
+        where a row has no outlier)."""
+        p, hot = n.name, list(n.attrs["hot_channels"])
+        out = f"{p}.corr" if not hot else f"{p}.corr_s"
+        self.add("Mul", [corr, self.weight(n.weights["scale"])], [out], f"{p}.scale")
+        if not hot:
+            return
+        idx = self.const(f"{p}.hot", np.array(hot, np.int64))
+        self.add("Gather", [f"{p}.delta", idx], [f"{p}.dh"], f"{p}.gather_hot", axis=1)
+        self.add("MatMul", [f"{p}.dh", self.weight(n.weights["hot_delta"])], [f"{p}.corr_h"], f"{p}.corr_h")
+        self.add("Add", [out, f"{p}.corr_h"], [f"{p}.corr"], f"{p}.hot_add")
 
     def row_group(self, x: str) -> str:
         """The name prefix of the row blocks of the corrections whose input is ``x``: all of a graph's rows

@@ -562,6 +562,7 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
             for name, g in m["graphs"].items()
         },
         "graph_file_bytes": graph_bytes,
+        "parts": _weight_part_bytes(m),
         "program": [s["name"] if s["kind"] == "graph" else f"{s['op']}:{s['name']}" for s in m["program"]],
         "decode_program": [s["name"] if s["kind"] == "graph" else f"{s['op']}:{s['name']}" for s in m["decode_program"]] if "decode_program" in m else None,
         "decode_graph": m.get("decode_graph"),
@@ -591,6 +592,8 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
     click.echo(f"pipeline   {m['pipeline']}")
     click.echo(f"weights    {len(m['weights'])} tensors, {weight_bytes / 1e6:.1f} MB, stored once in {', '.join(summary['weights']['files'])}"
                + (f"; W8A8 codes of {m['weight_bits']} bits" if m.get("weight_bits") else ""))
+    parts = summary["parts"]
+    click.echo("parts      " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in parts.items() if v or k in ("codes", "embedding", "head")))
     kvc = summary["kv_cache"]
     click.echo(f"kv cache   {kvc['dtype']}{' (per-channel scales, quantize_kv_cache)' if kvc['dtype'] == 'int8' else ''}, "
                f"{kvc['bytes_per_position'] / 1e3:.1f} kB per position, {kvc['bytes'] / 1e6:.1f} MB at max-context {m['max_context']}")
@@ -787,6 +790,20 @@ _PREFILL_PATHS = {"graph": "one call of the decode graph's chunk instance per ch
                   "chunk program": "the chunk program in its compiled order"}
 _DECODE_PATHS = {"graph": "one call of the decode graph per token", "cpu program": "the CPU program: a graph and an attention call per layer",
                  "chunk program": "the chunk program's one-row instances"}
+
+
+def _weight_part_bytes(m: dict) -> dict[str, int]:
+    """Bytes per part of the bundle: its weights by ``part`` (``llmc.compile.weight_parts``; ``unlabelled`` for a
+    manifest without parts) and the QNN context binaries, from the manifest's file table."""
+    from llmc.runtime.manifest import WEIGHT_PARTS
+
+    out = dict.fromkeys(WEIGHT_PARTS, 0)
+    for w in m["weights"].values():
+        part = w.get("part", "unlabelled")
+        out[part] = out.get(part, 0) + int(w["nbytes"])
+    q = m.get("qnn") or {}
+    out["context binaries"] = sum(m["files"][f]["bytes"] for b in q.get("binaries", []) for f in b["files"] if f in m["files"])
+    return out
 
 
 def _qnn_summary(q):

@@ -352,13 +352,17 @@ def compile_model(
     with bundle_mod.atomic_directory(out) as root:
         order = _weight_order(graph, plan)
         weights = onnx_backend.write_weights(graph, order, root)
+        for name, part in weight_parts(graph).items():
+            if name in weights:
+                weights[name]["part"] = part
         offload = _offload_section(ctx, weights)
-        # the corrections' float weights are inputs of the CPU's graphs: ONNX Runtime reads every initializer when it
-        # loads a graph, which would page in all of them; fed by pointer, only the rows of outlier channels are touched
-        shadow_t = frozenset(n.weights["weight_t"].name for n in graph.find("ShadowOutliers"))
+        # codes only a correction reads (not a projection's own) are inputs of the CPU's graphs: ONNX Runtime reads every
+        # initializer when it loads a graph, which would page in all of them; fed by pointer, only the outliers' rows are
+        shadows = graph.find("ShadowOutliers")
+        shadow_t = frozenset(n.weights["codes"].name for n in shadows) - {n.weights["qweight"].name for n in graph.find("QLinear")}
         decode_graph = ctx.get(DecodeGraph) if ctx.has(DecodeGraph) else None  # decode as one graph (fuse_decode_graph)
         # the library is needed only where its ops are: shadow corrections, the decode graph's attention (and SwiGLU)
-        native = cpu_kernels == "native" and (bool(shadow_t) or decode_graph is not None)
+        native = cpu_kernels == "native" and (bool(shadows) or decode_graph is not None)
         # the npu target's chunk graphs are the NPU's (QNN): stock ops only
         graphs = onnx_backend.emit_graphs(graph, plan, weights, root, placement="npu" if target == "npu" else "cpu",
                                           streamed=frozenset(offload["streamed"]) if offload else frozenset(),
@@ -607,6 +611,27 @@ def _plan_sections(ctx: PassContext, predicted: dict[str, Any] | None) -> dict[s
 def _positions(graph) -> str:
     names = [v.name for v in graph.inputs if v.name.startswith("positions")]
     return names[0] if names else "positions"
+
+
+def weight_parts(graph) -> dict[str, str]:
+    """Each weight's part of the bundle: ``head`` (the LM head's, the last projection), ``codes`` (the other
+    projections' quantized codes and scales), ``embedding``, ``shadow`` (what only the outlier corrections read:
+    their hot channels' rows, the codes of an unmerged group) or ``float`` (norms, rotary tables, float Linears).
+    A weight two parts read is the first's: a tied embedding that gathers the head's codes adds no bytes."""
+    projections = ("Linear", "QLinear", "BlockQLinear")
+    parts: dict[str, str] = {}
+    head = next((n for n in reversed(graph.nodes) if n.op in projections), None)
+    for r in head.weights.values() if head is not None else ():
+        parts[r.name] = "head"
+    for n in graph.nodes:
+        if n.op in ("QLinear", "BlockQLinear"):
+            for r in n.weights.values():
+                parts.setdefault(r.name, "codes")
+    for n in graph.nodes:
+        part = "embedding" if n.op.endswith("Embedding") else "shadow" if n.op == "ShadowOutliers" else "float"
+        for r in n.weights.values():
+            parts.setdefault(r.name, part)
+    return parts
 
 
 def _weight_order(graph, plan: ChunkPlan) -> list[str]:

@@ -198,7 +198,7 @@ class CostModel:
             u = self.outlier_channels(x.name, f, n // b)
             corr = max(2.0 * n * u * nout / p["cpu.fp32_flops_per_s"], 4.0 * b * u * nout / bw)
             return 8.0 * n * f / bw + corr + 8.0 * rows * nout / bw
-        if op in ("Embedding", "BlockEmbedding"):
+        if op in ("Embedding", "QEmbedding", "BlockEmbedding"):
             return 8.0 * rows * _features(node.outputs[0].shape) / bw
         if op == "RotaryTable":
             return 4.0 * rows * sum(_features(v.shape) for v in node.outputs) / bw
@@ -262,7 +262,7 @@ class CostModel:
     def row_reads_per_token(self, tables: set[str], kept: dict[str, tuple[int, ...]] | None = None) -> float:
         """Seconds per decoded token of reading rows of ``tables`` (kept in storage under a
         memory budget): one embedding row, and for every shadow correction the rows of the
-        channels expected to hold an outlier that are neither resident hot rows nor ``kept``
+        channels expected to hold an outlier that are not ``kept``
         rows (``p_c`` of each channel for one row; without calibration llm.npu's 0.3% of channels)."""
         t = 0.0
         for node in self.graph.nodes:
@@ -270,8 +270,10 @@ class CostModel:
                 continue
             if node.op == "Embedding":
                 t += self.row_read_seconds(node.weights["table"].nbytes / node.weights["table"].shape[0])
+            elif node.op == "QEmbedding":
+                t += self.row_read_seconds(node.weights["codes"].nbytes / node.weights["row_scale"].shape[0])
             elif node.op == "ShadowOutliers":
-                wt = node.weights["weight_t"]
+                wt = node.weights["codes"]
                 rates = self.shadow_row_rates(node)
                 if rates is not None:
                     skip = set((kept or {}).get(wt.name, ()))
@@ -282,13 +284,13 @@ class CostModel:
         return t
 
     def shadow_row_rates(self, node: Node) -> list[tuple[int, float]] | None:
-        """Per input channel of a ShadowOutliers node that is not a resident hot row, the
-        calibrated chance that one token needs its float row; None without calibration."""
+        """Per input channel of a ShadowOutliers node, the calibrated chance that one token needs its row of the
+        codes (a hot channel's too: its hot_delta row is resident, its codes row is the projection's); None
+        without calibration."""
         q = self.shadow.inputs.get(node.inputs[0].name) if self.shadow is not None else None
         if q is None or not q.channel_rates:
             return None
-        hot = set(node.attrs["hot_channels"])
-        return [(c, min(r, 1.0)) for c, r in enumerate(q.channel_rates) if c not in hot and r > 0]
+        return [(c, min(r, 1.0)) for c, r in enumerate(q.channel_rates) if r > 0]
 
 
 def gemv_table_seconds(rows: list[list[float]], k: int, n: int) -> float:

@@ -138,10 +138,11 @@ class Interpreter:
             return [y + b if b is not None else y]
         if op == "ShadowOutliers":
             hot = a["hot_channels"]
-            wt = self.weight(n, "weight_t")
-            pos = np.full(wt.shape[0], -1, np.int64)
+            codes = self.weight(n, "codes")
+            pos = np.full(codes.shape[0], -1, np.int64)
             pos[list(hot)] = np.arange(len(hot))
-            ys, _ = kernels.shadow_outliers(x[0], x[1:], a["splits"], self.weight(n, "hot_rows"), wt, pos, a["lo"], a["hi"], x[0].shape[0])
+            ys, _ = kernels.shadow_outliers(x[0], x[1:], a["splits"], self.weight(n, "hot_delta"), codes, self.weight(n, "scale"), a["w_zero_point"],
+                                            pos, a["lo"], a["hi"], x[0].shape[0])
             return ys
         if op == "RMSNorm":
             return [_rms_norm(x[0], self.weight(n, "weight"), a["eps"], a["offset"])]
@@ -162,6 +163,8 @@ class Interpreter:
             return [x[0][:, a["start"] : a["end"]]]
         if op == "Embedding":
             return [kernels.embedding(x[0], self.weight(n, "table"), a["scale"])]
+        if op == "QEmbedding":
+            return [kernels.qembedding(x[0], self.weight(n, "codes"), self.weight(n, "row_scale"), a["zero_point"], a["transposed"], a["scale"])]
         if op == "BlockEmbedding":
             return [kernels.block_embedding(x[0], self.weight(n, "qweight"), self.weight(n, "scales"), self.weight(n, "offsets"), a["bits"], a["scale"])]
         if op == "RotaryTable":

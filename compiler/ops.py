@@ -153,15 +153,17 @@ def _blockqlinear(node: "Node"):
 
 def _shadow(node: "Node"):
     x, ys = node.inputs[0], node.inputs[1:]
-    in_f, total = node.weights["weight_t"].shape
+    in_f, total = node.weights["codes"].shape
     if x.shape[-1] != in_f:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {in_f}")
+    if node.weights["codes"].dtype != {0: "int8", 128: "uint8"}.get(node.attrs["w_zero_point"]) or node.weights["scale"].shape != (total,):
+        raise ValueError("codes must be int8 (w_zero_point 0) or uint8 (128) [in, N], with one scale per column [N]")
     splits = list(node.attrs["splits"])
     if len(splits) != len(ys) or sum(splits) != total:
         raise ValueError(f"splits {splits} do not cover the {total} output columns of {len(ys)} results")
     hot = node.attrs["hot_channels"]
-    if node.weights["hot_rows"].shape != (max(len(hot), 1), total):
-        raise ValueError("hot_rows must hold one float row per hot channel")
+    if node.weights["hot_delta"].shape != (max(len(hot), 1), total):
+        raise ValueError("hot_delta must hold one float row per hot channel")
     for y, w in zip(ys, splits):
         if y.shape != (x.shape[0], w):
             raise ValueError(f"the NPU result {y.shape} does not match its shadow columns {(x.shape[0], w)}")
@@ -179,6 +181,17 @@ def _slice(node: "Node"):
 def _embedding(node: "Node"):
     (ids,) = node.inputs
     return [((ids.shape[0], node.weights["table"].shape[1]), "float32")]
+
+
+def _qembedding(node: "Node"):
+    (ids,) = node.inputs
+    codes, scale = node.weights["codes"], node.weights["row_scale"]
+    vocab, hidden = codes.shape[::-1] if node.attrs["transposed"] else codes.shape
+    if scale.shape != (vocab,):
+        raise ValueError(f"row_scale must hold one scale per token [{vocab}], not {list(scale.shape)}")
+    if codes.dtype != {0: "int8", 128: "uint8"}.get(node.attrs["zero_point"]):
+        raise ValueError("codes must be int8 (zero_point 0) or uint8 (128)")
+    return [((ids.shape[0], hidden), "float32")]
 
 
 def _block_embedding(node: "Node"):
@@ -250,6 +263,8 @@ OPS: dict[str, OpDef] = {
     d.name: d
     for d in [
         OpDef("Embedding", "dynamic", (1, 1), ("scale",), ("table",), (), "gather token embeddings (CPU, from the shared table) times a constant", _embedding),
+        OpDef("QEmbedding", "dynamic", (1, 1), ("scale", "transposed", "zero_point"), ("codes", "row_scale"), (),
+              "gather token rows of int8 codes times a scale per token (a tied LM head's QLinear codes, a column per token, when transposed)", _qembedding),
         OpDef("BlockEmbedding", "dynamic", (1, 1), ("scale", "bits", "block_size"), ("qweight", "scales"), ("offsets",),
               "gather token rows of block-quantized weights (a tied LM head's BlockQLinear codes), dequantized, times a constant", _block_embedding),
         OpDef("RotaryTable", "dynamic", (1, 1), ("scaling",), ("inv_freq",), (), "cos/sin rotary tables for the chunk's positions", _rotary),
@@ -268,10 +283,10 @@ OPS: dict[str, OpDef] = {
             "ShadowOutliers",
             "dynamic",
             (2, 16),
-            ("lo", "hi", "hot_channels", "splits"),
-            ("weight_t", "hot_rows"),
+            ("lo", "hi", "hot_channels", "splits", "w_zero_point"),
+            ("codes", "scale", "hot_delta"),
             (),
-            "y_i + (x - clip(x, lo, hi)) @ W_i^T for every Linear reading x: the float outlier part, on the CPU",
+            "y_i + (x - clip(x, lo, hi)) @ W_i^T for every Linear reading x, W from the int8 codes (hot channels exact): the outlier part, on the CPU",
             _shadow,
         ),
         OpDef("Linear", "static", (1, 1), (), ("weight",), ("bias",), "x @ W^T (+ b)", _linear),

@@ -205,7 +205,8 @@ def plan_model(source: str, *, profile: str, prompt_len: int, target: str = "npu
         used.update(s.weights)
     for st in plan.steps:
         if st.kind == "op":
-            used.update(r.name for r in graph.node(st.name).weights.values() if not r.name.endswith(".weight_t"))
+            node = graph.node(st.name)  # (the codes a correction reads by row are the projections' own)
+            used.update(r.name for slot, r in node.weights.items() if not (node.op == "ShadowOutliers" and slot == "codes"))
     weight_bytes = sum(graph.weights[w].nbytes for w in used)
     kv = sum(2 * prompt_len * n.attrs["num_kv_heads"] * n.attrs["head_dim"] * kv_cache_itemsize(n) for n in graph.find("Attention"))
     return PlanResult(source, description, profile, target, chunk, prompt_len, pipeline_text,

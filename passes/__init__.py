@@ -19,13 +19,14 @@ from llmc.passes.fuse_sibling_linears import FuseSiblingLinears
 from llmc.passes.place import Place
 from llmc.passes.plan_offload import PlanOffload
 from llmc.passes.quantize import Quantize
+from llmc.passes.quantize_embedding import QuantizeEmbedding
 from llmc.passes.quantize_int4 import QuantizeInt4
 from llmc.passes.quantize_kv_cache import QuantizeKVCache
 from llmc.passes.schedule import ScheduleSteps
 from llmc.passes.select_logit_rows import SelectLogitRows
 from llmc.passes.smooth_activations import SmoothActivations
 
-ALL_PASSES = [DeadCodeElimination, Calibrate, SmoothActivations, QuantizeKVCache, Float16KVCache, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, FoldBlockOffsets, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
+ALL_PASSES = [DeadCodeElimination, Calibrate, SmoothActivations, QuantizeKVCache, Float16KVCache, ExtractShadowOutliers, Quantize, QuantizeInt4, FuseSiblingLinears, QuantizeEmbedding, FoldBlockOffsets, CalibrateRanges, SelectLogitRows, ChunkStaticGraphs, FuseCpuDecode, FuseDecodeGraph, Place, ScheduleSteps, PlanOffload,
               AssumeShadowPlan, AssumeKVCache]
 REGISTRY = {p.name: p for p in ALL_PASSES}
 
@@ -34,14 +35,14 @@ DEFAULT_PIPELINES = {
     "cpu": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # --target cpu --weights int4
     "cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,fold_block_offsets,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
-    "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,fuse_sibling_linears,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
+    "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,fuse_sibling_linears,quantize_embedding,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
     "mlir": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # `llmc plan`: no weights, so no calibration; the program has the npu target's shape
-    "plan-npu": "dce,select_logit_rows,assume_shadow_plan,quantize,fuse_sibling_linears,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
+    "plan-npu": "dce,select_logit_rows,assume_shadow_plan,quantize,fuse_sibling_linears,quantize_embedding,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
     "plan-cpu": "dce,select_logit_rows,fuse_sibling_linears,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     "plan-cpu-int4": "dce,select_logit_rows,quantize_int4,fuse_sibling_linears,fold_block_offsets,chunk_static_graphs,fuse_decode_graph,place,schedule,plan_offload",
     # --target npu --soc S: every NPU tensor gets a QDQ range for the HTP
-    "npu-qnn": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,fuse_sibling_linears,calibrate_ranges,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
+    "npu-qnn": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,fuse_sibling_linears,quantize_embedding,calibrate_ranges,chunk_static_graphs,fuse_cpu_decode,fuse_decode_graph,place,schedule,plan_offload",
 }
 
 # What runs each of them (`llmc passes` prints it).

@@ -57,6 +57,12 @@ class CalibrateRanges(Pass):
         for node in graph.find("Embedding"):
             table = interp.weight(node, "table") * np.float32(node.attrs["scale"])
             self._widen(lo, hi, node.outputs[0].name, float(table.min()), float(table.max()))
+        for node in graph.find("QEmbedding"):
+            codes, zp = interp.weight(node, "codes"), node.attrs["zero_point"]
+            per_token = (codes.max(axis=0), codes.min(axis=0)) if node.attrs["transposed"] else (codes.max(axis=1), codes.min(axis=1))
+            s = interp.weight(node, "row_scale") * np.float32(node.attrs["scale"])
+            ends = np.concatenate([(per_token[0].astype(np.float32) - zp) * s, (per_token[1].astype(np.float32) - zp) * s])
+            self._widen(lo, hi, node.outputs[0].name, float(ends.min()), float(ends.max()))
         for node in graph.find("RMSNorm"):
             w = np.abs(interp.weight(node, "weight") + np.float32(node.attrs["offset"]))
             bound = float(np.sqrt(node.inputs[0].shape[1]) * w.max())

@@ -57,7 +57,7 @@ from llmc.runtime.native import attention_takes
 
 log = logging.getLogger(__name__)
 
-EMBEDDINGS = ("Embedding", "BlockEmbedding")  # run by the runtime before the graph
+EMBEDDINGS = ("Embedding", "QEmbedding", "BlockEmbedding")  # run by the runtime before the graph
 LOWERED_DYNAMIC_OPS = ("RotaryTable", "Attention", "SelectRows", "ShadowOutliers")
 
 

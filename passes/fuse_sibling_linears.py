@@ -20,7 +20,8 @@ tensor``) is left alone: one scale for the concatenation would cost precision.
 
 A W8A8 layer then quantizes its normalized input once for q/k/v and once for
 gate/up. The ``ShadowOutliers`` that corrects merged results already holds their
-concatenated float weights; when the corrected results are read by static ops
+concatenated codes, which it then reads from the merged weights (no second
+copy); when the corrected results are read by static ops
 (gate/up: the activation and the product) the pass hands it the merged result
 whole and slices after the correction, one add instead of a split and one add per
 part. q/k/v keep their slices before the correction: after it they would sit
@@ -96,6 +97,7 @@ class FuseSiblingLinears(Pass):
                         fused = self._merge(graph, store, sorted(members, key=lambda n: order[n.name]))
                         merged += 1
                         if fused.op == "QLinear":
+                            self._share_codes(fused)
                             self._shadow_whole(graph, fused)
         if merged:
             log.info("%s: %d groups of Linears merged", self.name, merged)
@@ -128,6 +130,23 @@ class FuseSiblingLinears(Pass):
         for n in members:
             graph.remove_node(n)
         return fused
+
+    @staticmethod
+    def _shadow_whole_of(fused: Node) -> Node | None:
+        """The ``ShadowOutliers`` that corrects exactly the slices of ``fused`` (in their order and widths), or None."""
+        readers = [u for u, _ in fused.outputs[0].uses]
+        sh = next((u for s in readers if s.op == "Slice" for u, _ in s.outputs[0].uses), None)
+        if sh is None or sh.op != "ShadowOutliers" or sliced_whole(sh) is not fused.outputs[0] or len(readers) != len(sh.inputs) - 1:
+            return None
+        return sh
+
+    @classmethod
+    def _share_codes(cls, fused: Node) -> None:
+        """The correction of ``fused``'s slices reads the merged codes and scales: they are its table's
+        columns in the same order, so its own concatenated copy is no longer written."""
+        sh = cls._shadow_whole_of(fused)
+        if sh is not None and sh.weights["codes"].dtype == fused.weights["qweight"].dtype:
+            sh.weights["codes"], sh.weights["scale"] = fused.weights["qweight"], fused.weights["wscale"]
 
     @staticmethod
     def _shadow_whole(graph: Graph, fused: Node) -> None:

@@ -62,7 +62,7 @@ from llmc.units import format_size, parse_size
 log = logging.getLogger(__name__)
 
 SMALL_BYTES = 4096
-ROW_READ = {"Embedding": ("table",), "ShadowOutliers": ("weight_t",)}
+ROW_READ = {"Embedding": ("table",), "QEmbedding": ("codes",), "ShadowOutliers": ("codes",)}
 # Preservation order inside a layer: lower first. Matched on the weight name.
 _PRIORITY = (("k_proj", 0), ("v_proj", 0), ("qkv", 1), ("q_proj", 1), ("o_proj", 1), ("attn", 1), ("dense", 2))
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
@@ -99,7 +99,7 @@ class PlanOffload(Pass):
                 if w not in dense:
                     dense.append(w)
         # Op-step weights: tables read by row are not resident as a whole; the rest (rotary
-        # inv_freq, the shadow paths' hot_rows) are read in full and stay resident.
+        # inv_freq, the shadow paths' scales and hot_delta) are read in full and stay resident.
         rows: list[str] = []
         extra: list[str] = []
         tied: list[str] = []  # tables read by row that a graph also reads whole (a tied embedding / LM head)
@@ -181,7 +181,8 @@ class PlanOffload(Pass):
         # Budget bytes buy time two ways: resident matrix bytes are not streamed, and resident
         # shadow rows are not read one by one. Try shares of the budget for the rows with the
         # highest calibrated outlier rate per byte; keep the split with the fastest decode.
-        candidates = _row_candidates(graph, plan, cm, set(rows))
+        # (a correction reads by row the codes of the projections it corrects, when they stream: tied tables)
+        candidates = _row_candidates(graph, plan, cm, set(rows) | set(tied))
         cum_bytes, cum_saved = [0], [0.0]
         for saved, nbytes, _, _ in candidates:
             cum_bytes.append(cum_bytes[-1] + nbytes)
@@ -211,8 +212,16 @@ class PlanOffload(Pass):
                                hint=f"raise the budget to at least {format_size(floor)}" + (", or lower --prefetch-depth" if depth > 0 else ""))
         predicted, predicted_no_prefetch, k, (share, resident, streamed, ring, used), rows = chosen
         kept: dict[str, list[int]] = {}
-        for _, _, table, row in candidates[:k]:
-            kept.setdefault(table, []).append(row)
+        pinned = 0
+        for _, nbytes, table, row in candidates[:k]:
+            if table in rows:  # a tied table kept resident whole needs no rows of its own
+                kept.setdefault(table, []).append(row)
+                pinned += nbytes
+        share, resident, streamed, ring, used = layout(share, resident, pinned)
+        row_s = cm.row_reads_per_token(set(rows), {t: tuple(r) for t, r in kept.items()})
+        io = cm.io_seconds(sum(size[w] for w in streamed))
+        predicted = row_s + (max(sched.decode_s, io) if depth > 0 else sched.decode_s + io)
+        predicted_no_prefetch = row_s + sched.decode_s + io
         resident_rows = {t: tuple(sorted(r)) for t, r in sorted(kept.items())}
         resident_all = small + extra + [w for w in big if w in resident]
         s_bytes = sum(size[w] for w in streamed)
@@ -234,7 +243,7 @@ def _row_candidates(graph: Graph, plan: ChunkPlan, cm, tables: set[str]) -> list
         node = graph.node(st.name)
         if node.op != "ShadowOutliers":
             continue
-        wt = node.weights["weight_t"]
+        wt = node.weights["codes"]
         if wt.name not in tables or wt.name in seen:
             continue
         seen.add(wt.name)

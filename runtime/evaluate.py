@@ -84,3 +84,22 @@ def agreement(candidate: Session, reference: Session, prompts: Sequence[str | Se
         fr_hits += fr
         positions += len(ref)
     return Agreement(tf_hits / positions, fr_hits / positions, len(per), positions, per)
+
+
+HELDOUT_MODULES = ("argparse", "textwrap", "logging", "doctest", "difflib", "heapq", "functools", "contextlib", "tarfile", "statistics")
+
+
+def heldout_english() -> str:
+    """English prose that no calibration corpus of llmc's holds (docstrings of stdlib modules): the held-out
+    text of the tests' and benchmarks' perplexity figures, the same on every machine with this Python."""
+    import importlib
+
+    parts = []
+    for name in HELDOUT_MODULES:
+        mod = importlib.import_module(name)
+        parts.append(mod.__doc__ or "")
+        for attr in sorted(dir(mod)):
+            doc = getattr(getattr(mod, attr), "__doc__", None)
+            if isinstance(doc, str) and len(doc) > 300 and getattr(getattr(mod, attr), "__module__", "") == name:
+                parts.append(doc)
+    return "\n\n".join(parts)

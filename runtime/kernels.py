@@ -90,6 +90,23 @@ def embedding(ids: np.ndarray, table: np.ndarray, scale: float) -> np.ndarray:
     return out
 
 
+def qembedding(ids: np.ndarray, codes: np.ndarray, row_scale: np.ndarray, zero_point: int, transposed: bool, scale: float) -> np.ndarray:
+    """``(codes[id] - zero_point) * row_scale[id] * scale`` for each token id: ``codes`` is ``[vocab, hidden]``, or
+    ``[hidden, vocab]`` (``transposed``: a tied LM head's codes, a column per token); either may be a memory map, and the
+    row form a row reader (``codes[rows]`` reads those rows, ``residency.RowTable``)."""
+    ids = np.asarray(ids, np.int64)
+    if transposed:  # a row reader (an offload plan that streams the head) is read whole: a column per token
+        table = codes if isinstance(codes, np.ndarray) else codes[np.arange(codes.shape[0])]
+        rows = table[:, ids].T
+    else:
+        rows = np.take(codes, ids, axis=0) if isinstance(codes, np.ndarray) else codes[ids]
+    out = np.asarray(rows, np.float32)
+    if zero_point:
+        out -= np.float32(zero_point)
+    out *= (np.asarray(row_scale)[ids] * np.float32(scale))[:, None]
+    return out
+
+
 def pack_nibbles(values: np.ndarray) -> np.ndarray:
     """4-bit ``values`` (0..15) two a byte along the last axis, the lower index in the low nibble (the
     layout of ``MatMulNBits``' codes and zero points); an odd count is padded with 0."""
@@ -254,8 +271,10 @@ def shadow_outliers(
     x: np.ndarray,
     ys: list[np.ndarray],
     splits: list[int],
-    hot_rows: np.ndarray,
-    weight_t: np.ndarray,
+    hot_delta: np.ndarray,
+    codes: np.ndarray,
+    scale: np.ndarray,
+    zero_point: int,
     hot_pos: np.ndarray,
     lo: float,
     hi: float,
@@ -269,9 +288,11 @@ def shadow_outliers(
     ``(x - clip(x)) @ W_i^T`` over the few channels that hold outliers, computed
     for all Linears reading ``x`` in one matmul per block of rows
     (:func:`shadow_blocks`: each block over the channels where it holds
-    outliers) against their concatenated transposed weights (``[in, sum(splits)]``). ``hot_pos[c]`` is the row of
-    ``hot_rows`` holding channel c, or -1: those rows are read from ``weight_t``
-    (memory-mapped, or a row reader under a memory budget) on demand. Returns the
+    outliers). ``W^T`` is the Linears' codes ``[in, sum(splits)]`` (int8, or uint8
+    with ``zero_point`` 128) times ``scale`` (one per column); a hot channel c
+    (``hot_pos[c]`` its row of ``hot_delta``, else -1) adds ``hot_delta``'s row, its
+    float weights less the codes' values. The codes may be a memory map or, under a
+    memory budget, a row reader (``codes[rows]`` reads those rows). Returns the
     corrected results and the number of outlier entries. With ``inplace`` the
     ``ys`` arrays themselves are corrected.
     """
@@ -288,16 +309,11 @@ def shadow_outliers(
         chans = nonzero.any(axis=0).nonzero()[0]
     if count == 0:
         return list(ys), 0
-    pos = hot_pos[chans]
-    if pos.min() >= 0:
-        rows = hot_rows[pos]
-    elif pos.max() < 0:
-        rows = weight_t[chans].astype(np.float32, copy=False)  # a native bundle's table is float16
-    else:
-        cold = pos < 0
-        rows = np.empty((len(chans), weight_t.shape[1]), np.float32)
-        rows[~cold] = hot_rows[pos[~cold]]
-        rows[cold] = weight_t[chans[cold]]
+    # as the graphs' lowering computes it: the excess times the codes, times the column scales, plus the hot
+    # channels' excess times their hot_delta rows (the same float operations in the same order)
+    rows = np.asarray(codes[chans], np.float32)
+    if zero_point:
+        rows -= np.float32(zero_point)
     r = n // shadow_blocks(n)
     if r == n:  # one block: its channels are all of them
         corr = delta[:, chans] @ rows
@@ -307,6 +323,12 @@ def shadow_outliers(
         for s in range(0, n, r):
             cols = sub[s : s + r].any(axis=0).nonzero()[0]
             corr[s : s + r] = delta[s : s + r, chans[cols]] @ rows[cols]
+    corr *= scale
+    if (hot_pos[chans] >= 0).any():  # over every hot channel, in hot_delta's order, as the graphs
+        idx = np.flatnonzero(hot_pos >= 0)
+        order = np.empty(len(idx), np.int64)
+        order[hot_pos[idx]] = idx
+        corr += delta[:, order] @ hot_delta[: len(order)]
     out, start = [], 0
     for y, w in zip(ys, splits):
         o = y if inplace and y.dtype == np.float32 and y.flags.writeable else np.array(y, dtype=np.float32, copy=True)

@@ -30,9 +30,14 @@ from llmc.runtime.errors import BundleError
 # 7: a --cpu-kernels native graph of more than one row may have an ai.llmc.ShadowCorrection that computes the SwiGLU
 # after it (attributes gate, up and width, a second output of codes), which the kernel of a runtime before 7 does not,
 # so it refuses them.
-SCHEMA_VERSION = 7
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+# 8: a ShadowOutliers reads its outliers' rows from int8 codes (weights codes, scale, hot_delta; attribute
+# w_zero_point) and an embedding may be a QEmbedding; a runtime before 8 refuses them. This runtime refuses the float
+# tables (weight_t) of the corrections before 8 by name (Session), and reads those bundles' other steps.
+SCHEMA_VERSION = 8
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 MANIFEST = "manifest.json"
+# A weight's part of a bundle (its table entry's "part", llmc.compile.weight_parts), for `llmc inspect`'s sizes.
+WEIGHT_PARTS = ("codes", "shadow", "embedding", "head", "float")
 
 
 def sha256_file(path: Path, block: int = 1 << 22) -> str:

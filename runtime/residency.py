@@ -14,8 +14,8 @@ compiler's :class:`~llmc.analyses.OffloadPlan`, see ``docs/memory-budget.md``):
   ``buffer_bytes``. A background thread walks the execution order and reads the
   streamed weights of the next ``prefetch_depth`` steps that have any while the
   current one computes; the main thread waits only for a buffer not yet read.
-* ``row_streamed`` tables (the embedding table, the shadow-outlier ``*.weight_t``
-  and ``*.hot_rows``) are :class:`RowTable` objects: indexing one with an array
+* ``row_streamed`` tables (the embedding table, the int8 codes that shadow-outlier
+  corrections read by row, and their ``*.hot_delta``) are :class:`RowTable` objects: indexing one with an array
   of row numbers reads just those rows, with up to ``ROW_READ_WORKERS`` reads in
   flight, except the plan's ``resident_rows``, read at load and served from memory.
 
@@ -50,7 +50,7 @@ OFFLOAD_KEYS = {
 }
 OFFLOAD_OPTIONAL_KEYS = {"resident_rows": dict}  # table -> rows kept in memory (bundles before it keep none)
 # Which op-step weights may be read by row: op -> weight slots.
-ROW_READABLE = {"Embedding": ("table",), "ShadowOutliers": ("weight_t", "hot_rows")}
+ROW_READABLE = {"Embedding": ("table",), "QEmbedding": ("codes",), "ShadowOutliers": ("codes", "hot_delta")}
 
 
 def buffer_size(nbytes: int) -> int:

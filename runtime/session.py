@@ -209,6 +209,9 @@ class Session:
         self.io = m["io"]
         self.program = m["program"]
         self.graphs = m["graphs"]
+        if any(st["kind"] == "op" and st["op"] == "ShadowOutliers" and "codes" not in st["weights"] for st in self.program):
+            raise BundleError(f"{self.bundle}: its shadow corrections read float weight tables (weight_t), which this runtime no longer reads",
+                              hint="recompile the bundle with this llmc: its corrections read the int8 codes")
         self._threads = threads or os.cpu_count() or 1
         # a bundle compiled with --cpu-kernels native: its CPU graphs hold llmc's native ops (the library, or a named error now)
         self.native_kernels = native.require_library() if m.get("cpu_kernels") == "native" else None
@@ -237,7 +240,7 @@ class Session:
         self._hot_pos: dict[str, np.ndarray] = {}
         for st in self.program:
             if st["kind"] == "op" and st["op"] == "ShadowOutliers":
-                in_f = self._weights[st["weights"]["weight_t"]].shape[0]
+                in_f = self._weights[st["weights"]["codes"]].shape[0]
                 pos = np.full(in_f, -1, np.int64)
                 pos[st["attrs"]["hot_channels"]] = np.arange(len(st["attrs"]["hot_channels"]))
                 self._hot_pos[st["name"]] = pos
@@ -653,6 +656,9 @@ class Session:
         op, a, ins = s["op"], s.get("attrs", {}), [buf[x] for x in s["inputs"]]
         if op == "Embedding":
             res = [kernels.embedding(ins[0], self._weights[s["weights"]["table"]], a["scale"])]
+        elif op == "QEmbedding":
+            w = s["weights"]
+            res = [kernels.qembedding(ins[0], self._weights[w["codes"]], self._weights[w["row_scale"]], a["zero_point"], a["transposed"], a["scale"])]
         elif op == "BlockEmbedding":
             w = s["weights"]
             res = [kernels.block_embedding(ins[0], self._weights[w["qweight"]], self._weights[w["scales"]],
@@ -666,8 +672,9 @@ class Session:
             else:
                 res = [kernels.attention(ins[0], ins[1], ins[2], cos, sin, cache=self.cache, start=start, n=n, **a)]
         elif op == "ShadowOutliers":
-            res, count = kernels.shadow_outliers(ins[0], ins[1:], a["splits"], self._weights[s["weights"]["hot_rows"]],
-                                                 self._weights[s["weights"]["weight_t"]], self._hot_pos[s["name"]], a["lo"], a["hi"], n,
+            w = s["weights"]
+            res, count = kernels.shadow_outliers(ins[0], ins[1:], a["splits"], self._weights[w["hot_delta"]], self._weights[w["codes"]],
+                                                 self._weights[w["scale"]], a["w_zero_point"], self._hot_pos[s["name"]], a["lo"], a["hi"], n,
                                                  inplace=self._shadow_inplace[s["name"]])
             self.outlier_counts[s["name"]] += count
         elif op == "SelectRows":

@@ -251,14 +251,6 @@ def smol_bundles(tmp_path_factory):
 
 def heldout_english() -> str:
     """English prose that is not the calibration corpus: docstrings of stdlib modules."""
-    import importlib
+    from llmc.runtime.evaluate import heldout_english as text
 
-    parts = []
-    for name in ("argparse", "textwrap", "logging", "doctest", "difflib", "heapq", "functools", "contextlib", "tarfile", "statistics"):
-        mod = importlib.import_module(name)
-        parts.append(mod.__doc__ or "")
-        for attr in sorted(dir(mod)):
-            doc = getattr(getattr(mod, attr), "__doc__", None)
-            if isinstance(doc, str) and len(doc) > 300 and getattr(getattr(mod, attr), "__module__", "") == name:
-                parts.append(doc)
-    return "\n\n".join(parts)
+    return text()

@@ -2,7 +2,7 @@
 
 ``hand_offload(select)`` is a pass class that, after ``chunk_static_graphs``,
 puts an :class:`~llmc.analyses.OffloadPlan` streaming the graph weights for
-which ``select(name)`` is true, reading the embedding and shadow ``weight_t``
+which ``select(name)`` is true, reading the embedding and shadow ``codes``
 tables by row and keeping everything else resident.
 """
 
@@ -32,7 +32,7 @@ def plan_for(graph, chunk_plan: ChunkPlan, select: Callable[[str], bool], depth:
     size = {n: graph.weights[n].nbytes for n in set(graph_w) | set(op_w)}
     streamed = [n for n in graph_w if select(n)]
     # a table a graph also reads (tied embedding, LM head) is read by row when the graph streams it, else it is resident anyway
-    rows = [n for n, k in op_w.items() if k in ("Embedding.table", "ShadowOutliers.weight_t") and (n not in graph_w or n in streamed)]
+    rows = [n for n, k in op_w.items() if k in ("Embedding.table", "QEmbedding.codes", "ShadowOutliers.codes") and (n not in graph_w or n in streamed)]
     resident = [n for n in graph_w + list(op_w) if n not in streamed and n not in rows]
     resident = list(dict.fromkeys(resident))
     per_step = sorted((sum(buffer_size(size[n]) for n in ws) for ws in step_w), reverse=True)

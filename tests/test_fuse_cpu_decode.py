@@ -8,15 +8,30 @@ import pytest
 from conftest import CHUNK, MAX_CONTEXT, write_manifest
 
 
-def _shadow_graph(rows: int, K: int, splits: list[int], weight_t: np.ndarray, lo: float, hi: float, sliced: bool = False, dynamic: bool = False):
+HOT = [3]  # the hot channel of _shadow_graph's correction: exact, its float row less the codes' (hot_delta)
+
+
+def shadow_tables(W: np.ndarray, hot: list[int] = HOT) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """A correction's weights for float weights ``W`` [N, K] (``quantize``'s: int8 codes, column scales, the hot
+    channels' rows of hot_delta), and the table it applies, [K, N]: the codes' values, the hot rows exact."""
+    from llmc.passes.quantize import quantize_weight
+
+    codes, scale = quantize_weight(W, per_channel=True)
+    applied = codes.astype(np.float32) * scale
+    delta = W[:, hot].T - applied[hot] if hot else np.zeros((1, W.shape[0]), np.float32)
+    applied[hot] = W[:, hot].T
+    return {"codes": codes, "scale": scale, "hot": np.ascontiguousarray(delta, np.float32)}, applied
+
+
+def _shadow_graph(rows: int, K: int, splits: list[int], tables: dict[str, np.ndarray], lo: float, hi: float, sliced: bool = False,
+                  dynamic: bool = False, hot_channels: list[int] = HOT):
     """One ShadowOutliers over inputs x and y0, y1, ...; with ``sliced``, the ys are consecutive column
     slices of one input y (a merged projection); with ``dynamic``, the instance takes any row count up to ``rows``."""
     from llmc.analyses import Subgraph
     from llmc.ir import Graph
 
     g = Graph("shadow")
-    wt = g.weights.add("wt", weight_t.shape, "float32", lambda: weight_t)
-    hot = g.weights.add("hot", (1, weight_t.shape[1]), "float32", lambda: np.zeros((1, weight_t.shape[1]), np.float32))
+    refs = {k: g.weights.add(k, v.shape, str(v.dtype), lambda v=v: v) for k, v in tables.items()}
     x = g.add_input("x", (rows, K), "float32")
     members = []
     if sliced:
@@ -27,10 +42,10 @@ def _shadow_graph(rows: int, K: int, splits: list[int], weight_t: np.ndarray, lo
     else:
         ys = [g.add_input(f"y{i}", (rows, n), "float32") for i, n in enumerate(splits)]
         ins = [x, *ys]
-    node = g.add_node("ShadowOutliers", [x, *ys], attrs={"lo": lo, "hi": hi, "hot_channels": [], "splits": splits},
-                      weights={"weight_t": wt, "hot_rows": hot})
+    node = g.add_node("ShadowOutliers", [x, *ys], attrs={"lo": lo, "hi": hi, "hot_channels": hot_channels, "splits": splits, "w_zero_point": 0},
+                      weights={"codes": refs["codes"], "scale": refs["scale"], "hot_delta": refs["hot"]})
     g.set_outputs(node.outputs)
-    sub = Subgraph("s", tuple(n.name for n in [*members, node]), tuple(v.name for v in ins), tuple(v.name for v in node.outputs), ("wt", "hot"),
+    sub = Subgraph("s", tuple(n.name for n in [*members, node]), tuple(v.name for v in ins), tuple(v.name for v in node.outputs), tuple(tables),
                    (rows,), dynamic_rows=dynamic)
     return g, sub
 
@@ -39,7 +54,8 @@ def _shadow_graph(rows: int, K: int, splits: list[int], weight_t: np.ndarray, lo
                                                      (130, False, False, (130,)), (128, True, False, (128,)),
                                                      (200, False, True, (200, 1, 64, 65, 129, 193, 196)), (256, True, True, (256, 255, 3))])
 def test_onnx_shadow_matches_float_matmul(tmp_path, rows, sliced, dynamic, run):
-    """clip(x) @ W (the NPU part) + the in-graph correction == x @ W; no outliers leaves y as is. When
+    """clip(x) @ W (the NPU part) + the in-graph correction == x @ W where the outliers are in the hot channel,
+    the codes' values in the others (as the runtime's kernel); no outliers leaves y as is. When
     the corrected results are slices of one projection (q/k/v merged), the correction adds into it
     whole: no Split, one Sum. A chunk's correction runs in equal blocks of about 64 rows, each with its
     own channels: at fixed row counts (130: two blocks of 65) and at any row count of a dynamic
@@ -54,22 +70,23 @@ def test_onnx_shadow_matches_float_matmul(tmp_path, rows, sliced, dynamic, run):
     K, splits = 32, [24, 8]
     W = rng.standard_normal((sum(splits), K)).astype(np.float32)
     lo, hi = -2.0, 2.0
-    g, sub = _shadow_graph(rows, K, splits, np.ascontiguousarray(W.T), lo, hi, sliced, dynamic)
+    tables, applied = shadow_tables(W)
+    g, sub = _shadow_graph(rows, K, splits, tables, lo, hi, sliced, dynamic)
 
     class Plan:
         subgraphs = (sub,)
 
-    weights = write_weights(g, ["wt", "hot"], tmp_path)
+    weights = write_weights(g, list(tables), tmp_path)
     table = emit_graphs(g, Plan, weights, tmp_path)
-    assert table["s"]["weights"] == ["wt"]  # hot_rows is for the runtime kernel only
+    assert sorted(table["s"]["weights"]) == ["codes", "hot", "scale"]
     model = (tmp_path / table["s"]["instances"][str(rows)]["file"]).read_bytes()
     ops = [n.op_type for n in onnx.load_model_from_string(model).graph.node]
-    assert (ops.count("Split"), ops.count("Add")) == ((0, 1) if sliced else (1, 2))
+    assert (ops.count("Split"), ops.count("Add")) == ((0, 2) if sliced else (1, 3))  # (one Add: the hot channel's rows)
     if rows > 1:  # per block: its channels of the delta (GatherElements), their weight rows (Gather)
         assert ops.count("GatherElements") == 1 and ops.count("TopK") == 1
     so = ort.SessionOptions()
-    wt = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(W.T))
-    so.add_external_initializers(["wt"], [wt])  # as the runtime feeds weights
+    values = [ort.OrtValue.ortvalue_from_numpy(v) for v in tables.values()]
+    so.add_external_initializers(list(tables), values)  # as the runtime feeds weights
     sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"], **cpu.session_kwargs())
     for n in run:
         # in a chunk, column 5's two outliers are equal and opposite past the range: a detection that
@@ -84,7 +101,7 @@ def test_onnx_shadow_matches_float_matmul(tmp_path, rows, sliced, dynamic, run):
             feeds = {"x": x, "y": ys} if sliced else {"x": x, "y0": ys[:, :24].copy(), "y1": ys[:, 24:].copy()}
             got = np.concatenate(sess.run(None, feeds), axis=1)
             assert got.shape == (n, sum(splits))
-            np.testing.assert_allclose(got, x @ W.T, rtol=1e-5, atol=1e-4)
+            np.testing.assert_allclose(got, ys + (x - np.clip(x, lo, hi)) @ applied, rtol=1e-5, atol=1e-4)
             if not planted:
                 np.testing.assert_array_equal(got, ys)
 
@@ -113,7 +130,7 @@ def test_decode_program_shape(npu_bundle):
     assert all(m["graphs"][g]["placement"] == "cpu" and set(m["graphs"][g]["instances"]) == {"1", str(CHUNK)} for g in graphs)
     assert "ShadowOutliers" in m["graphs"][graphs[1]]["ops"]
     chunk_weights = {w for s in prog if s["kind"] == "graph" for w in m["graphs"][s["name"]]["weights"]}
-    shadow_weights = {s["weights"]["weight_t"] for s in prog if s.get("op") == "ShadowOutliers"}
+    shadow_weights = {w for s in prog if s.get("op") == "ShadowOutliers" for w in s["weights"].values()}
     assert {w for g in graphs for w in m["graphs"][g]["weights"]} <= chunk_weights | shadow_weights
 
 
@@ -127,7 +144,7 @@ def test_fused_decode_matches_ir_and_chunk_program(npu_bundle, model_dirs, calib
 
     ids = [int(t) for t in np.random.default_rng(7).integers(4, 120, size=CHUNK + 5)]
     g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_words))
-    _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
+    _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,quantize_embedding")
     ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
     fused, chunked = Session(npu_bundle, "cpu"), Session(npu_bundle, "cpu")
     assert fused._decode_program is not None
@@ -157,7 +174,7 @@ def test_cpu_prefill_runs_the_cpu_program(npu_bundle, model_dirs, calib_words, m
 
     ids = [int(t) for t in np.random.default_rng(11).integers(4, 120, size=2 * CHUNK + 3)]
     g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_words))
-    _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
+    _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,quantize_embedding")
     ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
     s = Session(npu_bundle, "cpu", lazy=True)
     s._chunk_graph = False  # as a bundle whose decode graph has no chunk instance (an int8 KV cache; older bundles)
@@ -330,17 +347,18 @@ def test_chunk_correction_keeps_every_channel_beside_a_nan(tmp_path):
     rng = np.random.default_rng(0)
     K, splits, rows = 32, [24, 8], 64
     W = rng.standard_normal((sum(splits), K)).astype(np.float32)
-    g, sub = _shadow_graph(rows, K, splits, np.ascontiguousarray(W.T), -2.0, 2.0)
+    tables, _ = shadow_tables(W)
+    g, sub = _shadow_graph(rows, K, splits, tables, -2.0, 2.0)
 
     class Plan:
         subgraphs = (sub,)
 
-    table = emit_graphs(g, Plan, write_weights(g, ["wt", "hot"], tmp_path), tmp_path)
+    table = emit_graphs(g, Plan, write_weights(g, list(tables), tmp_path), tmp_path)
     model = onnx.load_model_from_string((tmp_path / table["s"]["instances"][str(rows)]["file"]).read_bytes())
     chans = next(o for n in model.graph.node if n.op_type == "TopK" for o in n.output if o.endswith(".chans"))
     model.graph.output.append(onnx.helper.make_empty_tensor_value_info(chans))  # the block's selected channels
     so = ort.SessionOptions()
-    so.add_external_initializers(["wt"], [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(W.T))])
+    so.add_external_initializers(list(tables), [ort.OrtValue.ortvalue_from_numpy(v) for v in tables.values()])
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"], **cpu.session_kwargs())
     x = rng.uniform(-1.9, 1.9, (rows, K)).astype(np.float32)
     x[3, 7], x[10, 20], x[40, 28], x[63, 30] = np.nan, 5.0, -4.0, 3.0

@@ -120,9 +120,10 @@ def test_npu_bundle_decode_graph_keeps_the_corrections(model_dirs, calib_words, 
     compile_model(str(model_dirs("llama")), out, target="npu", chunk=CHUNK, max_context=MAX_CONTEXT, calib_file=str(calib_words), calib_tokens=256)
     m = json.loads((out / "manifest.json").read_text())
     entry = m["graphs"][m["decode_graph"]]
-    assert "ShadowOutliers" in entry["ops"] and entry["fed"]
-    (table,) = [s["weights"]["table"] for s in m["program"] if s.get("op") == "Embedding"]
-    assert table not in entry["weights"]  # the float table stays out of the graph (ONNX Runtime would read all of it)
+    # the corrections read the projections' own codes, constants of the graph: nothing fed, no table of their own
+    assert "ShadowOutliers" in entry["ops"] and not entry.get("fed")
+    (table,) = [s["weights"]["codes"] for s in m["program"] if s.get("op") == "QEmbedding"]
+    assert m["weights"][table]["dtype"] == "int8" and table not in entry["weights"]  # the runtime gathers the embedding
     # q/k/v merged (fuse_sibling_linears): the correction adds into the projection whole and attention takes it packed
     import onnx
 

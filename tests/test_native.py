@@ -94,8 +94,81 @@ def test_shadow_correction_takes_float16_tables(native_kernels):
     y = _session(_op_model(x.shape, wt, lo, hi, True), native_kernels).run(None, {"x": x, "base": base})[0]
     ref = base + (x - np.clip(x, lo, hi)).astype(np.float64) @ wt.astype(np.float64)
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-4 * np.abs(ref).max())
-    with pytest.raises((Fail, InvalidArgument, RuntimeException), match="float32 or float16"):
+    with pytest.raises((Fail, InvalidArgument, RuntimeException), match="float32, float16, int8 or uint8"):
         _session(_op_model(x.shape, wt.astype(np.float64), lo, hi, True), native_kernels).run(None, {"x": x, "base": base})
+
+
+def _codes_model(x_shape, codes: np.ndarray, scale: np.ndarray, hot: list[int], hot_delta: np.ndarray | None, lo: float, hi: float,
+                 residual: bool = False):
+    """ShadowCorrection(x, codes, base, residual?, wt_scale, hot_delta?; hot_channels): the correction from int8 codes."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    n = codes.shape[1]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape)),
+              helper.make_tensor_value_info("base", TensorProto.FLOAT, [*x_shape[:-1], n])]
+    if residual:
+        inputs.append(helper.make_tensor_value_info("res", TensorProto.FLOAT, [*x_shape[:-1], n]))
+    inits = [numpy_helper.from_array(codes, "wt"), numpy_helper.from_array(scale, "wt_scale")]
+    names = ["x", "wt", "base", "res" if residual else "", "wt_scale"]
+    if hot_delta is not None:
+        inits.append(numpy_helper.from_array(hot_delta, "hot_delta"))
+        names.append("hot_delta")
+    node = helper.make_node("ShadowCorrection", names, ["y"], domain="ai.llmc", lo=lo, hi=hi, **({"hot_channels": hot} if hot else {}))
+    g = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)])
+
+
+@pytest.mark.parametrize("shape,n,threads,hot", [((64, 96), 300, 2, [0, 7, 95]), ((1, 96), 520, 2, [3]), ((33, 8), 7, 2, []),
+                                                 ((48, 600), 1500, 2, list(range(0, 600, 9))), ((1, 576), 1100, 1, [5, 6])])
+@pytest.mark.parametrize("zero_point", [0, 128])
+def test_shadow_correction_reads_int8_codes(native_kernels, shape, n, threads, hot, zero_point):
+    """From a projection's codes (int8, or uint8 offset by 128) the correction is base + delta @ ((codes - zero point)
+    * wt_scale), and a hot channel's outliers add its row of hot_delta: what the runtime's kernel
+    (llmc.runtime.kernels.shadow_outliers) computes, at chunk and one-row shapes, partial tiles, on one thread and two."""
+    from llmc.runtime import kernels
+
+    rng = np.random.default_rng(sum(shape) + n + zero_point)
+    lo, hi = -0.75, 1.25
+    x = _outliers(rng, shape, 0.03, lo, hi)
+    for c in hot[:2]:  # the hot channels hold outliers in some rows
+        x.reshape(-1, shape[-1])[-1, c] = 9.0
+    codes = (rng.integers(-127, 128, (shape[-1], n)) + zero_point).astype(np.uint8 if zero_point else np.int8)
+    scale = rng.uniform(0.5, 1.5, n).astype(np.float32) * 1e-2
+    hot_delta = rng.standard_normal((max(len(hot), 1), n)).astype(np.float32) * 1e-3 if hot else None
+    base = rng.standard_normal((*shape[:-1], n)).astype(np.float32)
+    res = rng.standard_normal((*shape[:-1], n)).astype(np.float32)
+    sess = _session(_codes_model(shape, codes, scale, hot, hot_delta, lo, hi, residual=True), native_kernels, threads)
+    y = sess.run(None, {"x": x, "base": base, "res": res})[0]
+    pos = np.full(shape[-1], -1, np.int64)
+    pos[hot] = np.arange(len(hot))
+    x2, b2 = x.reshape(-1, shape[-1]), base.reshape(-1, n)
+    (ref,), count = kernels.shadow_outliers(x2, [b2], [n], hot_delta if hot else np.zeros((1, n), np.float32), codes, scale, zero_point, pos,
+                                            lo, hi, len(x2))
+    assert count > 0
+    ref = ref.reshape(y.shape) + res
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    if hot:  # the hot rows count: without them the result differs
+        plain = _session(_codes_model(shape, codes, scale, [], None, lo, hi, residual=True), native_kernels, threads)
+        assert not np.allclose(plain.run(None, {"x": x, "base": base, "res": res})[0], y, rtol=0, atol=1e-7)
+
+
+def test_shadow_correction_codes_named_errors(native_kernels):
+    """Codes without one scale per column, hot channels without their rows or past K, and a float table with scales
+    are errors that name the op and what it takes."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import Fail, InvalidArgument, RuntimeException
+
+    errors = (Fail, InvalidArgument, RuntimeException)
+    codes, scale = np.ones((16, 8), np.int8), np.ones(8, np.float32)
+    x, base = np.zeros((2, 16), np.float32), np.zeros((2, 8), np.float32)
+
+    def run(match, *args):
+        with pytest.raises(errors, match=match):
+            _session(_codes_model((2, 16), *args, -1.0, 1.0), native_kernels).run(None, {"x": x, "base": base})
+
+    run("wt_scale, one scale per column", codes, scale[:3], [], None)
+    run("hot_channels need hot_delta \\[hot channels, N\\]", codes, scale, [1, 2], np.zeros((1, 8), np.float32))
+    run("hot_channels must be channels of x \\(below K\\)", codes, scale, [16], np.zeros((1, 8), np.float32))
+    run("a float weight table takes no wt_scale", codes.astype(np.float32), scale, [], None)
 
 
 def test_shadow_correction_nan_is_an_outlier(native_kernels):
@@ -182,8 +255,7 @@ def _nodes(bundle, instance: str) -> list:
 
 def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path, monkeypatch):
     """Same logits over a two-chunk prompt (the chunk instances) and decode (the one-row ones) as the stock
-    bundle with its corrections' weight tables rounded to float16, as the native bundle stores them (this
-    tiny random model's logits move by about 1% with that rounding), its attention's products in float32
+    bundle (both corrections read the same int8 codes), its attention's products in float32
     (LLMC_ATTN_BF16=0; in bfloat16, where the CPU has them, the logits stay within 5% of the largest, as 8-bit
     codes move by one here and there); every CPU graph with a correction has the native op and none of the stock
     correction's ops."""
@@ -217,7 +289,7 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path, m
               for op in ("W8A8MatMul", "QuantizeLinear", "Add", "RMSNorm", "RMSNormalization", "SwiGLU")}
     assert layers and counts == {"W8A8MatMul": 4 * layers + 1, "QuantizeLinear": 0, "Add": 0, "RMSNorm": 0, "RMSNormalization": 0, "SwiGLU": 0}, counts
     w8 = [n for n in _nodes(npu_pair["native"], decode) if n.op_type == "W8A8MatMul"]
-    assert sum(len(n.input) == 6 for n in w8) == 2 * layers + 1  # norms
+    assert sum(len(n.input) > 5 and bool(n.input[5]) for n in w8) == 2 * layers + 1  # norms
     assert sum({"gate", "up"} <= {a.name for a in n.attribute} for n in w8) == layers  # the down projections
     # the decode graph's projections may keep their weights in their own layout too (they stay loaded); the other
     # one-row graphs' (the CPU program's, which a memory budget streams) may not
@@ -229,18 +301,12 @@ def test_native_bundle_computes_what_the_stock_bundle_does(npu_pair, tmp_path, m
     attention = [n for g in (decode, chunk) for n in _nodes(npu_pair["native"], g) if n.op_type.startswith("DecodeAttention")]
     assert len(attention) == 2 * layers and all({(a.name, a.i) for a in n.attribute} >= {("bf16", 1)} for n in attention)
 
-    # the native bundle's weight tables are float16: the stock bundle's, rounded so in a copy, is the reference
-    tables = {n: w for n, w in m["weights"].items() if n.endswith(".weight_t")}
+    # both bundles' corrections read the projections' int8 codes: the same weights, no float table beside them
     stock = json.loads((npu_pair["onnx"] / "manifest.json").read_text())["weights"]
-    assert tables and all(w["dtype"] == "float16" and stock[n]["dtype"] == "float32" for n, w in tables.items())
-    rounded = tmp_path / "stock-rounded"
-    shutil.copytree(npu_pair["onnx"], rounded)
-    data = np.memmap(rounded / "weights" / "weights.bin", dtype=np.uint8, mode="r+")
-    for n in tables:
-        t = data[stock[n]["offset"] : stock[n]["offset"] + stock[n]["nbytes"]].view(np.float32)
-        t[:] = t.astype(np.float16).astype(np.float32)
-    data.flush()
-    del data
+    assert {n: (w["dtype"], w["nbytes"]) for n, w in m["weights"].items()} == {n: (w["dtype"], w["nbytes"]) for n, w in stock.items()}
+    assert not [n for n in stock if n.endswith(".weight_t")] and not any(w["dtype"] in ("float16", "float32") and len(w["shape"]) == 2
+                                                                         and w.get("part") == "codes" for w in stock.values())
+    rounded = npu_pair["onnx"]
 
     ids = [int(t) for t in np.random.default_rng(7).integers(4, 120, size=2 * CHUNK + 5)]
     logits = {}
@@ -1002,6 +1068,9 @@ def _w8_model(k: int | None, n: int, weights: dict, rows=None, residual: bool = 
         names += [""] * (4 - len(names)) + ["residual"]
     if "norm" in weights:
         names += [""] * (5 - len(names)) + ["norm"]
+    for i, extra in ((6, "wt_scale"), (7, "hot_delta")):  # a codes table's column scales and hot channels' rows
+        if extra in weights:
+            names += [""] * (i - len(names)) + [extra]
     node = helper.make_node("W8A8MatMul", names, ["y"], domain="ai.llmc", **{"x_scale": 0.02, "x_zero_point": 128, **attrs})
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, k])]
     if residual:
@@ -1080,6 +1149,9 @@ def test_w8a8_matmul_row_ranges_from_the_environment(native_kernels, monkeypatch
     # correction's buffer, which earlier cases filled, zeroed), no residual
     (np.float16, 1, 1, 576, 1100, 0.75, True), (np.float32, 1, 1, 576, 1100, 0.75, True), (np.float16, 1, 1, 576, 1100, 1e4, True),
     (np.float32, 1, 1, 576, 1100, 1e4, True), (np.float16, 1, 1, 576, 1100, 0.75, False), (np.float16, 1, 0, 576, 1100, 0.75, True),
+    # the table a bundle gives it: the projection's own codes (w itself) with its scales and hot channels' rows
+    ("codes", 3, 0, 96, 130, 0.75, True), ("codes", 1, 0, 96, 130, 0.75, True), ("codes", 1, 1, 96, 130, 0.75, True),
+    ("codes", 1, 1, 576, 1100, 0.75, True), ("codes", 1, 1, 576, 1100, 0.75, False), ("codes", 1, 0, 576, 1100, 0.75, True),
 ])
 def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table, rows, pack, k, n, hi, residual):
     """With a weight table (input 3, attributes lo and hi), a residual (input 4) and a norm weight (input 5, attribute
@@ -1095,7 +1167,10 @@ def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table, rows, p
     rng = np.random.default_rng(8 + rows + k)
     lo = -hi
     w = _w8_weights(rng, k, n, np.int8, True)
-    wt = rng.standard_normal((k, n)).astype(table)
+    codes = table == "codes"
+    wt = w["w"] if codes else rng.standard_normal((k, n)).astype(table)
+    hot = [0, 7, k - 1] if codes else []
+    extra = {"wt_scale": w["w_scale"], "hot_delta": rng.standard_normal((len(hot), n)).astype(np.float32) * 1e-3} if codes else {}
     g = rng.uniform(0.5, 1.5, k).astype(np.float32)
     x = (_outliers(rng, (rows, k), 0.05, lo, hi) * 3).astype(np.float32)
     r = rng.standard_normal((rows, n)).astype(np.float32)
@@ -1104,13 +1179,15 @@ def test_w8a8_matmul_corrects_normalises_and_adds(native_kernels, table, rows, p
     assert (np.abs(xn) > hi).any() == (hi < 1)  # some outliers, or none
     base = _session(_w8_model(k, n, w, **attrs), native_kernels).run(None, {"x": xn})[0]
     feeds = (("x", k), ("base", n)) + ((("residual", n),) if residual else ())
-    corr = helper.make_node("ShadowCorrection", ["x", "wt", "base"] + (["residual"] if residual else []), ["y"], domain="ai.llmc", lo=lo, hi=hi)
+    names = ["x", "wt", "base", "residual" if residual else ""] + list(extra)
+    corr = helper.make_node("ShadowCorrection", names, ["y"], domain="ai.llmc", lo=lo, hi=hi, **({"hot_channels": hot} if hot else {}))
     inputs = [helper.make_tensor_value_info(v, TensorProto.FLOAT, [rows, c]) for v, c in feeds]
-    graph = helper.make_graph([corr], "c", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [numpy_helper.from_array(wt, "wt")])
+    inits = [numpy_helper.from_array(v, name) for name, v in {"wt": wt, **extra}.items()]
+    graph = helper.make_graph([corr], "c", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
     three_ops = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.llmc", 1)]),
                          native_kernels).run(None, {"x": xn, "base": base, **({"residual": r} if residual else {})})[0]
-    fused = _session(_w8_model(k, n, {**w, "wt": wt, "norm": g}, residual=residual, lo=lo, hi=hi, epsilon=0.25, pack=pack, **attrs),
-                     native_kernels)
+    fused = _session(_w8_model(k, n, {**w, "wt": wt, "norm": g, **extra}, residual=residual, lo=lo, hi=hi, epsilon=0.25, pack=pack,
+                               **({"hot_channels": hot} if hot else {}), **attrs), native_kernels)
     np.testing.assert_array_equal(fused.run(None, {"x": x, **({"residual": r} if residual else {})})[0], three_ops)
 
 
@@ -1157,7 +1234,8 @@ def test_w8a8_matmul_named_errors(native_kernels):
     run({**w, "w": w["w"].astype(np.float32)}, "W8A8MatMul: w must be int8 .* or uint8")
     run(w, "W8A8MatMul: x must be \\[..., K\\] and w \\[K, N\\]", x=np.zeros((1, 15), np.float32))
     run({**w, "w_scale": w["w_scale"][:3]}, "W8A8MatMul: w_scale must be \\[N\\]")
-    run({**w, "wt": np.zeros((16, 7), np.float32)}, "W8A8MatMul: wt .* must be float32 or float16 \\[K, N\\]", lo=-1.0, hi=1.0)
+    run({**w, "wt": np.zeros((16, 7), np.float32)}, "W8A8MatMul: wt .* must be \\[K, N\\], as w", lo=-1.0, hi=1.0)
+    run({**w, "wt": w["w"]}, "W8A8MatMul: int8 or uint8 codes \\(wt\\) need wt_scale", lo=-1.0, hi=1.0)
     run(w, "W8A8MatMul: residual must have the result's shape", residual=np.zeros((1, 7), np.float32))
     run({**w, "norm": np.ones(15, np.float32)}, "W8A8MatMul: norm .* must be \\[K\\]", epsilon=1e-5)
     run(w, "W8A8MatMul: x_scale must be positive and x_zero_point in 0..255", x_zero_point=256)

@@ -23,7 +23,7 @@ from conftest import CHUNK, MAX_CONTEXT, write_manifest
 from offload_plans import hand_offload
 
 PIPE = {"cpu": "dce,select_logit_rows,chunk_static_graphs",
-        "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,chunk_static_graphs"}
+        "npu": "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,quantize_embedding,chunk_static_graphs"}
 IDS = [5, 9, 12, 40, 7, 3, 22, 19, 30, 31, 60, 11, 8, 70, 44, 17, 90]  # 3 chunks of 8, the last padded
 
 
@@ -47,7 +47,7 @@ def _layer1(n: str) -> bool:
     return ".layers.1." in n
 
 
-NPU_KW = dict(clip_percentile=90.0, hot_budget=0.0, calib_tokens=256)  # many outliers, none hot: shadow rows come from weight_t
+NPU_KW = dict(clip_percentile=90.0, hot_budget=0.0, calib_tokens=256)  # many outliers, none hot: shadow rows come from the codes
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,8 @@ def test_budgeted_bundle_gives_identical_logits_and_tokens(pairs, monkeypatch, f
             assert s.outlier_counts == ref.outlier_counts
             tables = [w for w in s._weights.values() if hasattr(w, "rows_read")]
             assert tables and all(t.rows_read >= 0 for t in tables)
-            if target == "npu":  # the shadow path read float rows from storage
-                assert sum(t.rows_read for t in tables if t.name.endswith(".weight_t")) > 0
+            if target == "npu":  # the shadow path read its outliers' rows of the streamed codes from storage
+                assert sum(t.rows_read for t in tables if t.name.endswith(".q8")) > 0
         finally:
             s.close()
 
@@ -448,17 +448,18 @@ def test_plan_offload_bundle_runs_like_the_unbudgeted_one(pairs, tmp_path, model
 
 
 def test_budget_above_the_matrices_keeps_shadow_rows_resident(pairs, tmp_path, model_dirs, calib_words):
-    """A budget with room beyond the matrices buys shadow rows too: the runtime reads them once, serves
-    them from memory, and reads only the others; logits stay bit-identical."""
+    """A budget with room for the matrices keeps the codes the corrections read resident with them: no correction
+    reads a row from storage (the embedding's rows are the only ones read by row), and logits stay bit-identical."""
     plain, _ = pairs("llama", "npu", _matrices)
     out = tmp_path / "rows"
     off = _compile_npu_budgeted(model_dirs, calib_words, out, "130%")
-    assert off["resident_rows"] and off["resident_bytes"] + off["buffer_bytes"] <= off["budget_bytes"]
+    assert not off["streamed"] and off["resident_bytes"] + off["buffer_bytes"] <= off["budget_bytes"]
+    assert off["row_streamed"] and all("embed" in n for n in off["row_streamed"]) and not off.get("resident_rows")
     _, ref_logits, ref_toks = _run(plain, True)
     s, logits, toks = _run(out, True)
     try:
-        tables = {n: t for n, t in s.residency.weights.items() if n in off["resident_rows"]}
-        assert tables and all(t.resident_bytes == len(off["resident_rows"][n]) * t.row_bytes for n, t in tables.items())
+        read = {n: t.rows_read for n, t in s.residency.weights.items() if hasattr(t, "rows_read")}
+        assert read and all("embed" in n for n in read)
         assert s.residency.resident_bytes == off["resident_bytes"]
     finally:
         s.close()
@@ -468,7 +469,7 @@ def test_budget_above_the_matrices_keeps_shadow_rows_resident(pairs, tmp_path, m
     from llmc.cli import cli
 
     r = CliRunner().invoke(cli, ["inspect", str(out)])
-    kept = sum(len(v) for v in off["resident_rows"].values())
+    kept = 0
     assert r.exit_code == 0 and f"({kept} of their rows resident)" in r.output and "predicted decode" in r.output
 
 

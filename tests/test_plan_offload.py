@@ -23,8 +23,8 @@ def test_half_budget_is_balanced_and_attention_first(tmp_path):
     assert o.resident_bytes == sum(size[w] for w in o.resident)
     assert o.streamed_bytes == sum(size[w] for w in o.streamed) > 0
     assert not set(o.resident) & set(o.streamed)
-    assert any(w.endswith("embed_tokens.weight") for w in o.row_streamed)
-    assert all(w.endswith(".weight_t") or "embed" in w for w in o.row_streamed)
+    assert any(w.endswith("embed_tokens.weight.q8r") for w in o.row_streamed)  # the embedding's own codes (uint8 head codes)
+    assert all(w.endswith(".q8") or "embed" in w for w in o.row_streamed)  # and the codes of streamed projections a correction reads
     # balanced: every layer keeps the same tensors resident, give or take the one tensor the
     # leftover budget adds to some layers
     per_layer: dict[int, set[str]] = {}
@@ -51,7 +51,7 @@ def test_half_budget_is_balanced_and_attention_first(tmp_path):
     t, io = ctx.get(Schedule).decode_s, cm.io_seconds(o.streamed_bytes)
     assert o.predicted_decode_s == pytest.approx(rows + max(t, io))
     assert o.predicted_decode_no_prefetch_s == pytest.approx(rows + t + io)
-    embed = next(n for n in graph.nodes if n.op == "Embedding").weights["table"]
+    embed = next(n for n in graph.nodes if n.op == "QEmbedding").weights["codes"]
     small = cm.profile["storage.small_read_s"]
     assert cm.row_read_seconds(100) == small and cm.row_read_seconds(4096 + 4e9) == pytest.approx(small + 1.0)
     assert rows > cm.row_read_seconds(embed.nbytes / embed.shape[0])  # the embedding row and some shadow rows
@@ -111,12 +111,11 @@ def test_budget_buys_the_shadow_rows_read_most_often_per_byte(tmp_path):
     # value per byte of every candidate row; the kept ones are the best of them
     value = {}
     for node in graph.nodes:
-        if node.op == "ShadowOutliers" and node.weights["weight_t"].name in o.row_streamed:
-            wt = node.weights["weight_t"]
+        if node.op == "ShadowOutliers" and node.weights["codes"].name in o.row_streamed:
+            wt = node.weights["codes"]
             nbytes = wt.nbytes // wt.shape[0]
             for c, r in cm.shadow_row_rates(node):
                 value[wt.name, c] = (r * cm.row_read_seconds(nbytes) / nbytes, nbytes)
-            assert not set(o.resident_rows.get(wt.name, ())) & set(node.attrs["hot_channels"])
     kept = {(t, c) for t, rows in o.resident_rows.items() for c in rows}
     assert kept < set(value)
     assert min(value[k][0] for k in kept) >= max(v[0] for k, v in value.items() if k not in kept)

@@ -41,9 +41,13 @@ def _run(g, ctx, pipeline):
 
 
 @pytest.mark.parametrize("T_", [16, 200])
-def test_shadow_kernel_restores_float_matmul(T_):
-    """clip(x) @ W (the NPU part) + the shadow correction == x @ W, with hot and cold rows; 200 rows
-    run in four blocks of 50, each over its own channels (17 only in the third, 30 only in the last)."""
+@pytest.mark.parametrize("zero_point", [0, 128])
+def test_shadow_kernel_restores_float_matmul(T_, zero_point):
+    """clip(x) @ W (the NPU part) + the shadow correction: exactly x @ W for the rows whose outliers are in hot
+    channels (their float rows), and x @ W less the codes' rounding of the cold outliers' rows otherwise; 200 rows
+    run in four blocks of 50, each over its own channels (17 only in the third, 30 only in the last). The codes
+    are int8, or uint8 + 128 (a memory-budgeted bundle's)."""
+    from llmc.passes.quantize import quantize_weight
     from llmc.runtime import kernels
 
     rng = np.random.default_rng(0)
@@ -55,15 +59,26 @@ def test_shadow_kernel_restores_float_matmul(T_):
     W1 = rng.standard_normal((N, K)).astype(np.float32)  # two Linears reading x (like gate/up)
     W2 = rng.standard_normal((N // 2, K)).astype(np.float32)
     Wcat = np.concatenate([W1, W2])
+    codes, scale = quantize_weight(Wcat, per_channel=True, offset=zero_point)
+    deq = (codes.astype(np.float32) - zero_point) * scale
     lo, hi = -4.0, 4.0
     ys_npu = [np.clip(x, lo, hi) @ W1.T, np.clip(x, lo, hi) @ W2.T]
-    hot = [3]  # channel 3 resident, 17 and 30 read from the full transposed weights
+    hot = [3]  # channel 3 exact (its float row less the codes'), 17 and 30 from the codes
     pos = np.full(K, -1)
     pos[hot] = 0
-    args = (Wcat[:, hot].T.copy(), Wcat.T.copy(), pos, lo, hi)
+    hot_delta = Wcat[:, hot].T - deq[hot]
+    args = (hot_delta, codes, scale, zero_point, pos, lo, hi)
     ys, count = kernels.shadow_outliers(x, ys_npu, [N, N // 2], *args, T_)
-    np.testing.assert_allclose(ys[0], x @ W1.T, rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(ys[1], x @ W2.T, rtol=1e-5, atol=1e-4)
+    delta = x - np.clip(x, lo, hi)
+    given = deq.copy()
+    given[hot] = Wcat[:, hot].T
+    want = np.clip(x, lo, hi) @ Wcat.T + delta @ given
+    np.testing.assert_allclose(np.concatenate(ys, axis=1), want, rtol=1e-5, atol=1e-4)
+    for r in (1, 5):  # hot outliers only: the float result
+        np.testing.assert_allclose(ys[0][r], (x @ W1.T)[r], rtol=1e-5, atol=1e-4)
+    cold = T_ - 1  # a cold outlier: the codes' rounding of its row, far below the clip's error
+    err = np.abs(ys[0][cold] - (x @ W1.T)[cold]).max()
+    assert 0 < err < 0.05 * np.abs(ys_npu[0][cold] - (x @ W1.T)[cold]).max()
     assert count == len(planted)
     # padded rows (beyond n) are left alone
     ys2, count2 = kernels.shadow_outliers(x, ys_npu, [N, N // 2], *args, 4)
@@ -284,7 +299,7 @@ def test_npu_bundle_runs_integer_graphs_exactly(npu_bundles, model_dirs, calib_f
         monkeypatch.setenv(cpu.ENV, kernels)
 
     g, ctx = _ctx(model_dirs("llama"), calib_file=str(calib_file), weight_granularity=granularity, weight_bits=bits)
-    _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize")
+    _run(g, ctx, "dce,select_logit_rows,calibrate,extract_shadow_outliers,quantize,quantize_embedding")
     ids = [int(t) for t in np.random.default_rng(3).integers(4, 120, size=2 * CHUNK + 3)]
     ref = Interpreter(g).run(ids, select_rows=np.arange(len(ids)))
     s = Session(npu_bundles["bits7" if bits == 7 else "shadow" if granularity == "channel" else "tensor"])

@@ -270,6 +270,18 @@ inline NVec nload16(const int8_t* p) {
 #endif
 }
 
+inline NVec nload16(const uint8_t* p) {  // uint8 codes offset by 128 (memory-budgeted bundles'), less the offset
+#if defined(__AVX512F__)
+  return (NVec)_mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))), _mm512_set1_ps(128.0f));
+#elif defined(__AVX2__)
+  return (NVec)_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))), _mm256_set1_ps(128.0f));
+#else
+  NVec v;
+  for (int64_t l = 0; l < kNative; ++l) v[l] = static_cast<float>(p[l]) - 128.0f;
+  return v;
+#endif
+}
+
 // An optional attribute, or fallback where it is absent. Through the C API, so that an absent one throws nothing
 // (AddressSanitizer's preloaded runtime, which the tests use, cannot intercept a C++ throw).
 template <typename V>
@@ -286,6 +298,20 @@ V attribute_or(const Ort::ConstKernelInfo& ki, const char* name, V fallback) {
     return fallback;
   }
   return value;
+}
+
+// An optional list of integers, empty where it is absent (through the C API, as attribute_or).
+std::vector<int64_t> ints_or_empty(const Ort::ConstKernelInfo& ki, const char* name) {
+  const OrtKernelInfo* info = ki;
+  size_t size = 0;
+  OrtStatus* status = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
+  if (status != nullptr) {
+    Ort::GetApi().ReleaseStatus(status);
+    return {};
+  }
+  std::vector<int64_t> out(size);
+  if (size > 0) Ort::ThrowOnError(Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, out.data(), &size));
+  return out;
 }
 
 // The uint8 codes of a W8A8 projection's input, as ONNX QuantizeLinear computes them (see the quantized copies below).
@@ -351,6 +377,36 @@ struct SwigluAfter {
 
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return half_to_float(*p); }
+inline float load1(const int8_t* p) { return static_cast<float>(*p); }
+inline float load1(const uint8_t* p) { return static_cast<float>(*p) - 128.0f; }
+
+// A correction's weight table [K, N]: float32 or float16 rows as they are (a hand-made graph's), or a projection's
+// int8 codes (uint8 offset by 128) whose sums each column's scale multiplies, the hot channels' outliers then adding
+// their rows of hot_delta (the float weights less the codes' values) on top.
+struct Table {
+  const void* data = nullptr;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  const float* scale = nullptr;      // [N]: int8 and uint8 codes'
+  const float* hot_delta = nullptr;  // [hot, N]
+  const int32_t* hot_pos = nullptr;  // [hot_n]: channel -> its row of hot_delta, or -1
+  int64_t hot_n = 0;
+
+  bool codes() const { return type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8 || type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8; }
+  size_t element_bytes() const { return codes() ? 1 : type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 2 : 4; }
+  int32_t hot(int32_t channel) const { return channel < hot_n ? hot_pos[channel] : -1; }
+};
+
+// The hot channels' rows of hot_delta by channel (a kernel's, from the attribute hot_channels): -1 for the others.
+std::vector<int32_t> hot_positions(const std::vector<int64_t>& hot, const char* op) {
+  int64_t most = -1;
+  for (int64_t c : hot) {
+    if (c < 0) throw Ort::Exception((std::string(op) + ": hot_channels must be channels of x (0 or more)").c_str(), ORT_INVALID_ARGUMENT);
+    most = std::max(most, c);
+  }
+  std::vector<int32_t> pos(static_cast<size_t>(most + 1), -1);
+  for (size_t i = 0; i < hot.size(); ++i) pos[static_cast<size_t>(hot[i])] = static_cast<int32_t>(i);
+  return pos;
+}
 
 template <typename W>
 struct Job {
@@ -368,6 +424,7 @@ struct Job {
   int64_t rows, n, tiles, width;  // width: columns per tile, a multiple of kNative (the last tile may be narrower)
   int64_t block_rows, group_tiles, groups;  // a task's rows and tiles (the last block's and group's may be fewer)
   SwigluAfter swiglu;
+  const Table* table = nullptr;  // wt's scales and hot rows (codes), or null (a float table)
 };
 
 // Row r of the output's columns [n0, n0 + NV * kNative), its outliers row `at` of o: their weight-row slices,
@@ -381,6 +438,18 @@ void tile_row(const Job<W>& job, const Outliers& o, int64_t at, int64_t r, int64
     const W* wr = job.wt + static_cast<int64_t>(o.channel[i]) * job.n + n0;
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[v] += d * nload16(wr + v * kNative);
+  }
+  if (const Table* t = job.table; t != nullptr && t->scale != nullptr) {  // codes: their sums scaled, then the hot rows
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) acc[v] *= nload(t->scale + n0 + v * kNative);
+    for (int64_t i = t->hot_n > 0 ? o.start[at] : o.start[at + 1]; i < o.start[at + 1]; ++i) {
+      const int32_t h = t->hot(o.channel[i]);
+      if (h < 0) continue;
+      const NVec d = nsplat(o.excess[i]);
+      const float* hr = t->hot_delta + static_cast<int64_t>(h) * job.n + n0;
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[v] += d * nload(hr + v * kNative);
+    }
   }
   float* yr = row + n0;
   if (job.residual != nullptr) {
@@ -409,6 +478,11 @@ void tail_row(const Job<W>& job, const Outliers& o, int64_t at, int64_t r, int64
   for (int64_t j = n0; j < n1; ++j) {
     float acc = 0.0f;
     for (int64_t i = o.start[at]; i < o.start[at + 1]; ++i) acc += o.excess[i] * load1(job.wt + static_cast<int64_t>(o.channel[i]) * job.n + j);
+    if (const Table* t = job.table; t != nullptr && t->scale != nullptr) {
+      acc *= t->scale[j];
+      for (int64_t i = t->hot_n > 0 ? o.start[at] : o.start[at + 1]; i < o.start[at + 1]; ++i)
+        if (const int32_t h = t->hot(o.channel[i]); h >= 0) acc += o.excess[i] * t->hot_delta[static_cast<int64_t>(h) * job.n + j];
+    }
     const int64_t e = r * job.n + j;
     const float y = job.base != nullptr ? job.base[e] + acc : acc;  // the correction added to base, then to the residual
     row[j] = job.residual != nullptr ? job.residual[e] + y : y;
@@ -475,8 +549,9 @@ inline Tiling correction_tiling(int64_t rows, int64_t n, bool whole_rows) {
 }
 
 template <typename W>
-void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, int64_t k, float lo, float hi, const W* wt, const float* base,
-             const float* residual, float* y, int64_t rows, int64_t n, const SwigluAfter& swiglu = {}) {
+void correct_with(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, int64_t k, float lo, float hi, const Table& table,
+                  const float* base, const float* residual, float* y, int64_t rows, int64_t n, const SwigluAfter& swiglu) {
+  const W* wt = static_cast<const W*>(table.data);
   if (rows == 0 || n == 0) return;  // an empty result
   const Tiling tiling = correction_tiling(rows, n, swiglu.gate >= 0);  // SwiGLU: whole rows
   const size_t tasks = tiling.tasks;
@@ -488,7 +563,7 @@ void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, 
   }
   if (outliers == nullptr && own.size() < tasks) own.resize(tasks);
   Job<W> job{outliers, outliers == nullptr ? own.data() : nullptr, x, k, lo, hi, wt, base, residual, y, rows, n, tiling.tiles, tiling.width,
-             tiling.block_rows, tiling.group_tiles, tiling.groups, swiglu};
+             tiling.block_rows, tiling.group_tiles, tiling.groups, swiglu, &table};
   // the correction's multiply-adds, or, before the outliers are found, their estimate: about 1% of x's entries
   // (calibration's clip at the 99th percentile), and a row's read of x and write of y
   const size_t work = outliers != nullptr ? outliers->channel.size() * static_cast<size_t>(n)
@@ -499,10 +574,62 @@ void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, 
     for (size_t t = 0; t < tasks; ++t) run_task<W>(&job, t);
 }
 
+// The Job of one decode row's correction into sums (W8A8MatMul's packed path: no base or residual).
+template <typename W>
+Job<W> decode_job(const Outliers& o, const float* xs, int64_t k, float lo, float hi, const Table& table, float* sums, int64_t n, const Tiling& tiling) {
+  return Job<W>{&o, nullptr, xs, k, lo, hi, static_cast<const W*>(table.data), nullptr, nullptr, sums, 1, n,
+                tiling.tiles, tiling.width, tiling.block_rows, tiling.group_tiles, tiling.groups, {}, &table};
+}
+
+// correct_with for the table's element type.
+void correct(Ort::KernelContext& ctx, const Outliers* outliers, const float* x, int64_t k, float lo, float hi, const Table& table,
+             const float* base, const float* residual, float* y, int64_t rows, int64_t n, const SwigluAfter& swiglu = {}) {
+  switch (table.type) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return correct_with<uint16_t>(ctx, outliers, x, k, lo, hi, table, base, residual, y, rows, n, swiglu);
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return correct_with<int8_t>(ctx, outliers, x, k, lo, hi, table, base, residual, y, rows, n, swiglu);
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return correct_with<uint8_t>(ctx, outliers, x, k, lo, hi, table, base, residual, y, rows, n, swiglu);
+    default: return correct_with<float>(ctx, outliers, x, k, lo, hi, table, base, residual, y, rows, n, swiglu);
+  }
+}
+
+// The table of a correction: wt [k, n] (float32, float16, int8 or uint8), with integer codes its column scales
+// [n] and, for hot channels (hot_pos, from the attribute), hot_delta [hot, n]; `op` names the op in errors.
+Table table_of(Ort::ConstValue wt, const OrtValue* scale_value, const OrtValue* hot_value, const std::vector<int32_t>& hot_pos, int64_t hot,
+               int64_t k, int64_t n, const char* op) {
+  Table t;
+  t.data = wt.GetTensorRawData();
+  t.type = wt.GetTensorTypeAndShapeInfo().GetElementType();
+  const std::string name(op);
+  if (t.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && !t.codes())
+    throw Ort::Exception((name + ": wt (the outliers' weight table) must be float32, float16, int8 or uint8").c_str(), ORT_INVALID_ARGUMENT);
+  if (!t.codes()) {
+    if (scale_value != nullptr || hot > 0)
+      throw Ort::Exception((name + ": a float weight table takes no wt_scale, hot_delta or hot_channels").c_str(), ORT_INVALID_ARGUMENT);
+    return t;
+  }
+  if (scale_value == nullptr || Ort::ConstValue{scale_value}.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n))
+    throw Ort::Exception((name + ": int8 or uint8 codes (wt) need wt_scale, one scale per column [N]").c_str(), ORT_INVALID_ARGUMENT);
+  t.scale = Ort::ConstValue{scale_value}.GetTensorData<float>();
+  if (hot > 0) {
+    if (hot_value == nullptr || Ort::ConstValue{hot_value}.GetTensorTypeAndShapeInfo().GetShape() != std::vector<int64_t>{hot, n})
+      throw Ort::Exception((name + ": hot_channels need hot_delta [hot channels, N]").c_str(), ORT_INVALID_ARGUMENT);
+    if (static_cast<int64_t>(hot_pos.size()) > k)
+      throw Ort::Exception((name + ": hot_channels must be channels of x (below K)").c_str(), ORT_INVALID_ARGUMENT);
+    t.hot_delta = Ort::ConstValue{hot_value}.GetTensorData<float>();
+    t.hot_pos = hot_pos.data();
+    t.hot_n = static_cast<int64_t>(hot_pos.size());
+  } else if (hot_value != nullptr) {
+    throw Ort::Exception((name + ": hot_delta comes with hot_channels").c_str(), ORT_INVALID_ARGUMENT);
+  }
+  return t;
+}
+
 struct ShadowKernel {
   float lo, hi;
   int64_t gate, up, width;  // SwiGLU's attributes: its result of the corrected rows is the output (gate < 0: none)
   Quantizer quant;          // and its codes (a second output)
+  int64_t hot = 0;          // hot channels (attribute hot_channels) and their rows of hot_delta by channel
+  std::vector<int32_t> hot_pos;
 
   ShadowKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -517,6 +644,9 @@ struct ShadowKernel {
     quant = quantizer_of(ki, "ShadowCorrection");
     if (quant.on && gate < 0)
       throw Ort::Exception("ShadowCorrection: a codes output needs SwiGLU's attributes (the codes are of SwiGLU's result)", ORT_INVALID_ARGUMENT);
+    const std::vector<int64_t> channels = ints_or_empty(ki, "hot_channels");
+    hot = static_cast<int64_t>(channels.size());
+    hot_pos = hot_positions(channels, "ShadowCorrection");
   }
 
   void Compute(OrtKernelContext* context) {
@@ -525,14 +655,14 @@ struct ShadowKernel {
     Ort::ConstValue wt = ctx.GetInput(1);
     const OrtValue* base_value = ctx.GetInputCount() > 2 ? static_cast<const OrtValue*>(ctx.GetInput(2)) : nullptr;
     const OrtValue* residual_value = ctx.GetInputCount() > 3 ? static_cast<const OrtValue*>(ctx.GetInput(3)) : nullptr;
+    const OrtValue* scale_value = ctx.GetInputCount() > 4 ? static_cast<const OrtValue*>(ctx.GetInput(4)) : nullptr;
+    const OrtValue* hot_value = ctx.GetInputCount() > 5 ? static_cast<const OrtValue*>(ctx.GetInput(5)) : nullptr;
     std::vector<int64_t> xs = x.GetTensorTypeAndShapeInfo().GetShape();
     std::vector<int64_t> ws = wt.GetTensorTypeAndShapeInfo().GetShape();
-    const ONNXTensorElementDataType wtype = wt.GetTensorTypeAndShapeInfo().GetElementType();
-    if (wtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && wtype != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-      throw Ort::Exception("ShadowCorrection: wt must be float32 or float16", ORT_INVALID_ARGUMENT);
     if (xs.empty() || ws.size() != 2 || ws[0] != xs.back())
       throw Ort::Exception("ShadowCorrection: x must be [..., K] and wt [K, N] with the same K", ORT_INVALID_ARGUMENT);
     const int64_t k = ws[0], n = ws[1];
+    const Table table = table_of(wt, scale_value, hot_value, hot_pos, hot, k, n, "ShadowCorrection");
     const int64_t rows = leading_rows(xs);
     std::vector<int64_t> ys(xs.begin(), xs.end() - 1);
     ys.push_back(n);
@@ -560,10 +690,7 @@ struct ShadowKernel {
     float* out = y.GetTensorMutableData<float>();
     const float* xd = x.GetTensorData<float>();
     const SwigluAfter swiglu{gate, up, width, &quant, quant.output(ctx, shape)};
-    if (wtype == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-      correct(ctx, nullptr, xd, k, lo, hi, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), base, residual, out, rows, n, swiglu);
-    else
-      correct(ctx, nullptr, xd, k, lo, hi, wt.GetTensorData<float>(), base, residual, out, rows, n, swiglu);
+    correct(ctx, nullptr, xd, k, lo, hi, table, base, residual, out, rows, n, swiglu);
   }
 };
 
@@ -571,8 +698,8 @@ struct ShadowCorrectionOp : Ort::CustomOpBase<ShadowCorrectionOp, ShadowKernel> 
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new ShadowKernel(api, info); }
   const char* GetName() const { return "ShadowCorrection"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 4; }
-  ONNXTensorElementDataType GetInputType(size_t i) const {  // wt: float32 or float16 (checked when it runs)
+  size_t GetInputTypeCount() const { return 6; }  // x, wt, base?, residual?, wt_scale?, hot_delta?
+  ONNXTensorElementDataType GetInputType(size_t i) const {  // wt: float32, float16, int8 or uint8 (checked when it runs)
     return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
@@ -1909,8 +2036,8 @@ struct MatVecOp : Ort::CustomOpBase<MatVecOp, MatVecKernel> {
 };
 
 // ---------------------------------------------------------------------------------------------------
-// W8A8MatMul(x[..., K], w[K, N], w_scale[N] or [1], wt[K, N]?, residual[..., N]?, norm[K]?;
-//            x_scale, x_zero_point, lo?, hi?, epsilon?, gate?, up?) -> y[..., N]
+// W8A8MatMul(x[..., K], w[K, N], w_scale[N] or [1], wt[K, N]?, residual[..., N]?, norm[K]?, wt_scale[N]?, hot_delta[H, N]?;
+//            x_scale, x_zero_point, lo?, hi?, epsilon?, gate?, up?, hot_channels?) -> y[..., N]
 //
 //   y = residual + ((q(x) - x_zero_point) @ (w - w_zero_point) * x_scale * w_scale + (x - clip(x, lo, hi)) @ wt)
 //
@@ -1922,8 +2049,9 @@ struct MatVecOp : Ort::CustomOpBase<MatVecOp, MatVecKernel> {
 // QuantizeLinear, MatMulIntegerToFloat (the QDQ MatMul fused) and ShadowCorrection. q(x) is x's uint8 codes as
 // QuantizeLinear computes them (quantize_row); w is int8 (zero point 0) or uint8 (zero point 128, as memory-budgeted
 // bundles store it); the int32 sums are exact and scaled as ONNX Runtime's MatMulIntegerToFloat scales them,
-// float(sum) * (x_scale * w_scale[n]). wt is the float table of the outlier correction (ShadowCorrection: float32
-// or float16, attributes lo and hi); residual is added last. With norm, x is first RMS-normalised as RMSNorm does
+// float(sum) * (x_scale * w_scale[n]). wt is the table of the outlier correction (ShadowCorrection's, attributes lo
+// and hi: the codes with wt_scale, often w and a per-column w_scale themselves, and hot_delta for the hot_channels);
+// residual is added last. With norm, x is first RMS-normalised as RMSNorm does
 // (attribute epsilon), and the codes and outliers are the normalised row's.
 //
 // The op is bound by reading w once, a byte a weight. Without the attribute pack (or without VNNI) it reads w as it is
@@ -2239,14 +2367,16 @@ struct W8Kernel {
     ONNXTensorElementDataType wtype{}, wt_type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
     size_t scales = 0;
   };
-  std::array<bool, 6> constant{};  // by input index
+  std::array<bool, 8> constant{};  // by input index
+  int64_t hot = 0;                 // the correction's hot channels (attribute hot_channels), their hot_delta rows by channel
+  std::vector<int32_t> hot_pos;
   std::atomic<bool> checked{false};  // a call's checks have passed: facts holds them
   Weights facts;
   std::mutex facts_mutex;
 
   W8Kernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
-    for (size_t i : {1, 2, 3, 5})
+    for (size_t i : {1, 2, 3, 5, 6, 7})
       if (i < ki.GetInputCount() && !ki.GetInputName(i).empty()) {
         int is_constant = 0;
         ki.GetTensorConstantInput(i, &is_constant);
@@ -2266,6 +2396,9 @@ struct W8Kernel {
       throw Ort::Exception("W8A8MatMul: gate and up come together (SwiGLU's columns of x), or neither", ORT_INVALID_ARGUMENT);
     if (gate >= 0 && ki.GetInputCount() > 5 && !ki.GetInputName(5).empty())
       throw Ort::Exception("W8A8MatMul: a SwiGLU input (gate, up) and a norm do not combine", ORT_INVALID_ARGUMENT);
+    const std::vector<int64_t> channels = ints_or_empty(ki, "hot_channels");
+    hot = static_cast<int64_t>(channels.size());
+    hot_pos = hot_positions(channels, "W8A8MatMul");
     const char* env = std::getenv("LLMC_W8_PACK");
     pack = kW8Packs && constant[1] && attribute_or<int64_t>(ki, "pack", 0) != 0 && !(env != nullptr && std::strcmp(env, "0") == 0);
   }
@@ -2305,13 +2438,13 @@ struct W8Kernel {
       throw Ort::Exception("W8A8MatMul: w_scale must be [N] (per output column) or [1]", ORT_INVALID_ARGUMENT);
   }
 
-  // wt's element type into f, after check_matrix.
-  static void check_table(const OrtValue* wt_value, Weights& f) {
+  // wt's element type into f, after check_matrix, and its scales' and hot rows' checks (table_of's).
+  void check_table(const OrtValue* wt_value, const OrtValue* scale_value, const OrtValue* hot_value, Weights& f) const {
     const Ort::TensorTypeAndShapeInfo ti = Ort::ConstValue{wt_value}.GetTensorTypeAndShapeInfo();
     f.wt_type = ti.GetElementType();
-    if (ti.GetShape() != std::vector<int64_t>{f.k, f.n} ||
-        (f.wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && f.wt_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16))
-      throw Ort::Exception("W8A8MatMul: wt (the outliers' weight table) must be float32 or float16 [K, N], as w", ORT_INVALID_ARGUMENT);
+    if (ti.GetShape() != std::vector<int64_t>{f.k, f.n})
+      throw Ort::Exception("W8A8MatMul: wt (the outliers' weight table) must be [K, N], as w", ORT_INVALID_ARGUMENT);
+    table_of(Ort::ConstValue{wt_value}, scale_value, hot_value, hot_pos, hot, f.k, f.n, "W8A8MatMul");
   }
 
   static void check_norm(const OrtValue* norm_value, const Weights& f) {
@@ -2324,13 +2457,15 @@ struct W8Kernel {
     Ort::ConstValue x = ctx.GetInput(0), w = ctx.GetInput(1), w_scale = ctx.GetInput(2);
     const auto optional = [&](size_t i) { return ctx.GetInputCount() > i ? static_cast<const OrtValue*>(ctx.GetInput(i)) : nullptr; };
     const OrtValue *wt_value = optional(3), *residual_value = optional(4), *norm_value = optional(5);
+    const OrtValue *scale_value = optional(6), *hot_value = optional(7);
     std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
     Weights f;
     const bool known = checked.load(std::memory_order_acquire);
     if (known) f = facts;  // the constant inputs' facts; the others are checked again below
     const bool matrix = known && constant[1] && constant[2];  // wt's and norm's checks compare with w's shape
     if (!matrix) check_matrix(w, w_scale, f);
-    if (wt_value != nullptr && !(matrix && constant[3])) check_table(wt_value, f);
+    if (wt_value != nullptr && !(matrix && constant[3] && (scale_value == nullptr || constant[6]) && (hot_value == nullptr || constant[7])))
+      check_table(wt_value, scale_value, hot_value, f);
     if (norm_value != nullptr && !(matrix && constant[5])) check_norm(norm_value, f);
     if (!known) {  // the first call's facts, written once (calls on other threads read them without the lock)
       std::lock_guard<std::mutex> lock(facts_mutex);
@@ -2346,7 +2481,18 @@ struct W8Kernel {
       throw Ort::Exception("W8A8MatMul: x must be [..., K] and w [K, N] with the same K", ORT_INVALID_ARGUMENT);
     const int64_t k = f.k, n = f.n, rows = leading_rows(shape), width = shape.empty() ? 0 : shape.back();
     const size_t scales = f.scales;
-    const ONNXTensorElementDataType wtype = f.wtype, wt_type = f.wt_type;
+    const ONNXTensorElementDataType wtype = f.wtype;
+    Table table;  // the correction's (checked by check_table)
+    if (wt_value != nullptr) {
+      table.data = Ort::ConstValue{wt_value}.GetTensorRawData();
+      table.type = f.wt_type;
+      if (table.codes()) table.scale = Ort::ConstValue{scale_value}.GetTensorData<float>();
+      if (hot > 0) {
+        table.hot_delta = Ort::ConstValue{hot_value}.GetTensorData<float>();
+        table.hot_pos = hot_pos.data();
+        table.hot_n = static_cast<int64_t>(hot_pos.size());
+      }
+    }
     shape.back() = n;
     if (residual_value != nullptr && Ort::ConstValue{residual_value}.GetTensorTypeAndShapeInfo().GetShape() != shape)
       throw Ort::Exception("W8A8MatMul: residual must have the result's shape [..., N]", ORT_INVALID_ARGUMENT);
@@ -2407,7 +2553,7 @@ struct W8Kernel {
         job.table = static_cast<const char*>(Ort::ConstValue{wt_value}.GetTensorRawData());
         job.channels = outliers.channel.data();
         job.outliers = static_cast<int64_t>(outliers.channel.size());
-        job.row_bytes = n * (wt_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? 2 : 4);
+        job.row_bytes = n * static_cast<int64_t>(table.element_bytes());
       }
     }
     const size_t finishes = static_cast<size_t>((n + kW8Finish - 1) / kW8Finish);
@@ -2424,16 +2570,21 @@ struct W8Kernel {
           tiling.group_tiles = std::max<int64_t>(1, kCorrectionColumns / tiling.width);
           tiling.groups = (tiling.tiles + tiling.group_tiles - 1) / tiling.group_tiles;
           tiling.tasks = static_cast<size_t>(tiling.groups);
-          const void* table = Ort::ConstValue{wt_value}.GetTensorRawData();
-          Job<uint16_t> half{&outliers, nullptr, xs, k, lo, hi, static_cast<const uint16_t*>(table), nullptr, nullptr, sums.data(), 1, n,
-                             tiling.tiles, tiling.width, tiling.block_rows, tiling.group_tiles, tiling.groups, {}};
-          Job<float> single{&outliers, nullptr, xs, k, lo, hi, static_cast<const float*>(table), nullptr, nullptr, sums.data(), 1, n,
-                            tiling.tiles, tiling.width, tiling.block_rows, tiling.group_tiles, tiling.groups, {}};
+          auto half = decode_job<uint16_t>(outliers, xs, k, lo, hi, table, sums.data(), n, tiling);
+          auto single = decode_job<float>(outliers, xs, k, lo, hi, table, sums.data(), n, tiling);
+          auto signed_codes = decode_job<int8_t>(outliers, xs, k, lo, hi, table, sums.data(), n, tiling);
+          auto unsigned_codes = decode_job<uint8_t>(outliers, xs, k, lo, hi, table, sums.data(), n, tiling);
           if (outliers.channel.empty()) {
             std::fill(sums.begin(), sums.begin() + n, 0.0f);
-          } else if (wt_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
+          } else if (table.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
             pj.correction = run_task<uint16_t>;
             pj.correction_job = &half;
+          } else if (table.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8) {
+            pj.correction = run_task<int8_t>;
+            pj.correction_job = &signed_codes;
+          } else if (table.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8) {
+            pj.correction = run_task<uint8_t>;
+            pj.correction_job = &unsigned_codes;
           } else {
             pj.correction = run_task<float>;
             pj.correction_job = &single;
@@ -2481,11 +2632,7 @@ struct W8Kernel {
     }
     if (wt_value != nullptr) {  // y = residual + (y + the outliers' correction)
       if (!outliers.channel.empty() || residual != nullptr) {
-        Ort::ConstValue wt{wt_value};
-        if (wt_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-          correct(ctx, &outliers, xs, k, lo, hi, reinterpret_cast<const uint16_t*>(wt.GetTensorRawData()), out, residual, out, rows, n);
-        else
-          correct(ctx, &outliers, xs, k, lo, hi, wt.GetTensorData<float>(), out, residual, out, rows, n);
+        correct(ctx, &outliers, xs, k, lo, hi, table, out, residual, out, rows, n);
       }
     } else if (residual != nullptr) {
       for (int64_t i = 0; i < rows * n; ++i) out[i] = residual[i] + out[i];
@@ -2497,8 +2644,8 @@ struct W8Op : Ort::CustomOpBase<W8Op, W8Kernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new W8Kernel(api, info); }
   const char* GetName() const { return "W8A8MatMul"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 6; }
-  ONNXTensorElementDataType GetInputType(size_t i) const {  // w: int8 or uint8, wt: float32 or float16 (checked when it runs)
+  size_t GetInputTypeCount() const { return 8; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {  // w: int8 or uint8, wt: any of a table's (checked when it runs)
     return i == 1 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
