@@ -43,11 +43,9 @@ def variants() -> dict[str, dict]:
 
 
 def parts(bundle: Path) -> dict[str, int]:
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    out: dict[str, int] = {}
-    for w in manifest["weights"].values():
-        out[w.get("part", "unlabelled")] = out.get(w.get("part", "unlabelled"), 0) + int(w["nbytes"])
-    return out
+    from llmc.runtime.manifest import weight_part_bytes
+
+    return {k: v for k, v in weight_part_bytes(json.loads((bundle / "manifest.json").read_text())).items() if v}
 
 
 def main() -> int:

@@ -90,7 +90,7 @@ def cli(verbose: int) -> None:
 @click.option("--clip-percentile", type=click.FloatRange(50, 100, max_open=True), default=99.0, show_default=True, help="[npu] Activation clip (percentile of |x|) for shadow-enabled Linears.")
 @click.option("--shadow-keep", type=click.FloatRange(0, 1), default=1.0, show_default=True, help="[npu] Fraction of Linear inputs (most important first) that keep a shadow path.")
 @click.option("--pruned-percentile", type=click.FloatRange(50, 100), default=99.999, show_default=True, help="[npu] Clip of inputs whose shadow is pruned (100 = calibration max).")
-@click.option("--hot-budget", type=click.FloatRange(0, 1), default=0.01, show_default=True, help="[npu] Resident float shadow rows, as a fraction of the int8 weight bytes.")
+@click.option("--hot-budget", type=click.FloatRange(0, 1), default=0.01, show_default=True, help="[npu] Exact float rows for the hot channels' outliers (the rest come from the int8 codes), as a fraction of the int8 weight bytes.")
 @click.option("--smooth-alpha", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="[npu] Smooth activation outliers into the weights (SmoothQuant, power-of-two factors; adds "
                    "smooth_activations and a second calibrate) with this strength. Default: 0.8 with --no-shadow, else off.")
@@ -544,6 +544,8 @@ def inspect(bundle, as_json, no_verify):
 
 def _inspect(bundle: str, m: dict, as_json: bool) -> None:
     """Print the summary of ``bundle`` (manifest ``m``)."""
+    from llmc.runtime.manifest import weight_part_bytes
+
     files = m["files"]
     weight_bytes = sum(w["nbytes"] for w in m["weights"].values())
     graph_bytes = sum(files[i["file"]]["bytes"] for g in m["graphs"].values() for i in g["instances"].values())
@@ -562,7 +564,7 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
             for name, g in m["graphs"].items()
         },
         "graph_file_bytes": graph_bytes,
-        "parts": _weight_part_bytes(m),
+        "parts": weight_part_bytes(m),
         "program": [s["name"] if s["kind"] == "graph" else f"{s['op']}:{s['name']}" for s in m["program"]],
         "decode_program": [s["name"] if s["kind"] == "graph" else f"{s['op']}:{s['name']}" for s in m["decode_program"]] if "decode_program" in m else None,
         "decode_graph": m.get("decode_graph"),
@@ -790,20 +792,6 @@ _PREFILL_PATHS = {"graph": "one call of the decode graph's chunk instance per ch
                   "chunk program": "the chunk program in its compiled order"}
 _DECODE_PATHS = {"graph": "one call of the decode graph per token", "cpu program": "the CPU program: a graph and an attention call per layer",
                  "chunk program": "the chunk program's one-row instances"}
-
-
-def _weight_part_bytes(m: dict) -> dict[str, int]:
-    """Bytes per part of the bundle: its weights by ``part`` (``llmc.compile.weight_parts``; ``unlabelled`` for a
-    manifest without parts) and the QNN context binaries, from the manifest's file table."""
-    from llmc.runtime.manifest import WEIGHT_PARTS
-
-    out = dict.fromkeys(WEIGHT_PARTS, 0)
-    for w in m["weights"].values():
-        part = w.get("part", "unlabelled")
-        out[part] = out.get(part, 0) + int(w["nbytes"])
-    q = m.get("qnn") or {}
-    out["context binaries"] = sum(m["files"][f]["bytes"] for b in q.get("binaries", []) for f in b["files"] if f in m["files"])
-    return out
 
 
 def _qnn_summary(q):

@@ -156,7 +156,7 @@ def _shadow(node: "Node"):
     in_f, total = node.weights["codes"].shape
     if x.shape[-1] != in_f:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {in_f}")
-    if node.weights["codes"].dtype != {0: "int8", 128: "uint8"}.get(node.attrs["w_zero_point"]) or node.weights["scale"].shape != (total,):
+    if node.weights["codes"].dtype != CODE_DTYPES.get(node.attrs["w_zero_point"]) or node.weights["scale"].shape != (total,):
         raise ValueError("codes must be int8 (w_zero_point 0) or uint8 (128) [in, N], with one scale per column [N]")
     splits = list(node.attrs["splits"])
     if len(splits) != len(ys) or sum(splits) != total:
@@ -183,13 +183,16 @@ def _embedding(node: "Node"):
     return [((ids.shape[0], node.weights["table"].shape[1]), "float32")]
 
 
+CODE_DTYPES = {0: "int8", 128: "uint8"}  # int8 codes' type by zero point (uint8 + 128: a memory-budgeted bundle's)
+
+
 def _qembedding(node: "Node"):
     (ids,) = node.inputs
     codes, scale = node.weights["codes"], node.weights["row_scale"]
     vocab, hidden = codes.shape[::-1] if node.attrs["transposed"] else codes.shape
     if scale.shape != (vocab,):
         raise ValueError(f"row_scale must hold one scale per token [{vocab}], not {list(scale.shape)}")
-    if codes.dtype != {0: "int8", 128: "uint8"}.get(node.attrs["zero_point"]):
+    if codes.dtype != CODE_DTYPES.get(node.attrs["zero_point"]):
         raise ValueError("codes must be int8 (zero_point 0) or uint8 (128)")
     return [((ids.shape[0], hidden), "float32")]
 

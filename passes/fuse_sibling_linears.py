@@ -136,6 +136,7 @@ class FuseSiblingLinears(Pass):
         """The ``ShadowOutliers`` that corrects exactly the slices of ``fused`` (in their order and widths), or None."""
         readers = [u for u, _ in fused.outputs[0].uses]
         sh = next((u for s in readers if s.op == "Slice" for u, _ in s.outputs[0].uses), None)
+        # all of fused's readers are the slices sh corrects, in order and covering it (sliced_whole)
         if sh is None or sh.op != "ShadowOutliers" or sliced_whole(sh) is not fused.outputs[0] or len(readers) != len(sh.inputs) - 1:
             return None
         return sh
@@ -148,14 +149,12 @@ class FuseSiblingLinears(Pass):
         if sh is not None and sh.weights["codes"].dtype == fused.weights["qweight"].dtype:
             sh.weights["codes"], sh.weights["scale"] = fused.weights["qweight"], fused.weights["wscale"]
 
-    @staticmethod
-    def _shadow_whole(graph: Graph, fused: Node) -> None:
+    @classmethod
+    def _shadow_whole(cls, graph: Graph, fused: Node) -> None:
         """If one ``ShadowOutliers`` corrects exactly the slices of ``fused`` (in their order and
         widths), let it correct ``fused`` whole and slice its result instead."""
-        readers = [u for u, _ in fused.outputs[0].uses]
-        sh = next((u for s in readers if s.op == "Slice" for u, _ in s.outputs[0].uses), None)
-        # all of fused's readers are the slices sh corrects, in order and covering it (sliced_whole)
-        if sh is None or sh.op != "ShadowOutliers" or sliced_whole(sh) is not fused.outputs[0] or len(readers) != len(sh.inputs) - 1:
+        sh = cls._shadow_whole_of(fused)
+        if sh is None:
             return
         ys = sh.inputs[1:]
         if any(not u.schema.is_static for y in sh.outputs for u, _ in y.uses):

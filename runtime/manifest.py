@@ -40,6 +40,18 @@ MANIFEST = "manifest.json"
 WEIGHT_PARTS = ("codes", "shadow", "embedding", "head", "float")
 
 
+def weight_part_bytes(manifest: dict) -> dict[str, int]:
+    """Bytes per part of a bundle: its weights by ``part`` (``unlabelled`` for a manifest without parts) and its
+    QNN context binaries, from the manifest's tables."""
+    out = dict.fromkeys(WEIGHT_PARTS, 0)
+    for w in manifest["weights"].values():
+        part = w.get("part", "unlabelled")
+        out[part] = out.get(part, 0) + int(w["nbytes"])
+    q = manifest.get("qnn") or {}
+    out["context binaries"] = sum(manifest["files"][f]["bytes"] for b in q.get("binaries", []) for f in b["files"] if f in manifest["files"])
+    return out
+
+
 def sha256_file(path: Path, block: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
