@@ -95,6 +95,11 @@ def test_quantized_bundle_quality(smol_bundles):
     assert sum(chunked.outlier_counts.values()) > 0
     report = json.loads((smol_bundles["npu"] / "report.json").read_text())
     assert report["summary"]["resident_shadow_fraction_of_int8_weights"] < 0.02
+    # slim: the corrections read the int8 codes and the tied embedding the head's (no float copy of a Linear)
+    from llmc.runtime.manifest import weight_part_bytes
+
+    parts = weight_part_bytes(json.loads((smol_bundles["npu"] / "manifest.json").read_text()))
+    assert sum(parts.values()) <= 200e6 and parts["embedding"] == 0 and parts["shadow"] < 0.02 * parts["codes"], parts
 
 
 def test_plain_w8a8_is_usable_with_smoothing(smol_bundles, tmp_path):
