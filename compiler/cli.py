@@ -324,10 +324,20 @@ def profiles(name):
         click.echo(f"  {k:<28} " + ", ".join(f"{' x '.join(f'{x:g}' for x in r[:-1])}: {r[-1]:.3g}" for r in rows) + f"\n      source: {p.sources[k]}")
 
 
+def _npu_note(sess) -> None:
+    """Say on stderr when the qnn provider was asked for but the bundle's plan runs no graph on the NPU."""
+    if sess.requested_provider == "qnn" and not any(sess.npu_graphs_planned.values()):
+        soc = (sess.manifest.get("qnn") or {}).get("soc", "the SoC")
+        click.echo(f"[--provider qnn: the plan of this bundle places no graph on the NPU of {soc}, so every graph runs on the CPU; "
+                   "compile with --placement npu to run them on the HTP]", err=True)
+
+
 def _make_session(bundle, provider, threads, prefetch=True):
     from llmc.runtime import Session
 
-    return Session(bundle, provider=provider, threads=threads, prefetch=prefetch)
+    sess = Session(bundle, provider=provider, threads=threads, prefetch=prefetch)
+    _npu_note(sess)
+    return sess
 
 
 _NO_PREFETCH = click.option("--no-prefetch", is_flag=True,
@@ -411,7 +421,9 @@ def run(bundle, prompt, prompt_ids, chat, system, max_new_tokens, mode, temperat
             "token_ids": res.token_ids,
             "text": res.text,
             "finish_reason": res.finish_reason,
-            "provider": sess.provider,
+            "provider": sess.provider_used,
+            "requested_provider": provider,
+            "graphs": sess.graphs_run(),
             "timings": res.metrics.as_dict(),
         }))
         return
@@ -762,6 +774,7 @@ def bench(bundle, prompt_len, new_tokens, repeat, prompt_file, provider, threads
     for label, f, unit in (("TTFT", r.ttft_s, "s"), ("prefill", r.prefill_tok_s, "tok/s"), ("decode", r.decode_tok_s, "tok/s")):
         click.echo(f"  {label:<8} {f.median:10.3f} {unit:<6} ({f.min:.3f}..{f.max:.3f})")
     click.echo(f"  peak RSS {r.peak_rss_mb:10.0f} MB")
+    click.echo("  graphs   " + "; ".join(f"{phase} {by['qnn']} on the NPU (QNN HTP), {by['cpu']} on the CPU" for phase, by in r.graphs.items()))
     click.echo(f"  prefill  {_PREFILL_PATHS[r.prefill_path]}")
     click.echo(f"  decode   {_DECODE_PATHS[r.decode_path]}")
     click.echo(f"  kv cache {r.kv_cache}, {r.kv_cache_bytes / 1e6:.1f} MB for {sess.max_context} positions")

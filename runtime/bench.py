@@ -56,6 +56,8 @@ class BenchResult:
     native_kernels: str | None = None  # the library of llmc's native ops a --cpu-kernels native bundle ran, else None
     packed_weight_bytes: int = 0  # Session.packed_weight_bytes: the decode graph's W8A8 weights copied into their ops' layout
     bf16_attention: bool = False  # Session.bf16_attention: a chunk's attention products in bfloat16
+    graphs: dict | None = None  # Session.graphs_run: per phase, the graphs that ran on each provider
+    requested_provider: str = ""  # the provider asked for; ``provider`` is the one that ran graphs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +118,7 @@ def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat:
     runs = [session.generate(ids, new_tokens, stop_at_eos=False).metrics for _ in range(repeat)]
     return BenchResult(
         str(session.bundle),
-        session.provider,
+        session.provider_used,
         prompt_len,
         new_tokens,
         repeat,
@@ -133,6 +135,8 @@ def bench(session: Session, prompt_len: int = 512, new_tokens: int = 32, repeat:
         native_kernels=str(session.native_kernels) if session.native_kernels is not None else None,
         packed_weight_bytes=session.packed_weight_bytes,
         bf16_attention=session.bf16_attention,
+        graphs=session.graphs_run(),
+        requested_provider=session.requested_provider,
     )
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import platform
+import sys
+from typing import Iterator
 
 # x86_64 hosts run HTP graphs in the simulator, which cannot load weight-shared
 # context binaries; there the runtime uses the fully quantized QDQ graphs.
@@ -36,3 +40,30 @@ def provider_options(oq, htp_arch: str, soc_model: int | str) -> dict[str, str]:
 
 def on_simulator() -> bool:
     return platform.machine() in SIMULATOR_MACHINES
+
+
+@contextlib.contextmanager
+def native_stdout_to_stderr() -> Iterator[None]:
+    """Send what native code writes to file descriptor 1 to standard error meanwhile.
+
+    The QNN HTP libraries print a ``# LIBNATIVE ...`` line on stdout when the first
+    session loads them; stdout carries generated text and ``--json`` output.
+    """
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no file descriptor 1 (an embedding host): nothing to protect
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def qnn_session(ort, model, so):
+    """``ort.InferenceSession(model, so)`` for a session on the QNN EP, its libraries' stdout sent to stderr."""
+    with native_stdout_to_stderr():
+        return ort.InferenceSession(model, so)

@@ -200,6 +200,7 @@ class Session:
 
     def _setup(self, ort: Any, provider: str, threads: int | None, lazy: bool, prefetch: bool) -> None:
         """Everything the constructor derives from the manifest; the ONNX Runtime sessions unless ``lazy``."""
+        self.requested_provider = provider
         self.provider = self._choose_provider(provider)
         self._ort = ort
         m = self.manifest
@@ -296,6 +297,8 @@ class Session:
         self._heads = cpu_heads | {self._head}
         self._one_row_heads = set() if self._ends_in_graph else cpu_heads if self._cpu_prefill else {self._head}
         self._bound: dict[tuple[str, int], BoundGraph] = {}
+        # the graphs each phase has run, by provider ("qnn": on the HTP, "cpu": ONNX Runtime's CPU provider)
+        self._graphs_run: dict[str, dict[str, set[str]]] = {phase: {"qnn": set(), "cpu": set()} for phase in ("prefill", "decode")}
         self.tokenizer = None
         tok = m.get("tokenizer") or {}
         if tok.get("file"):
@@ -341,6 +344,27 @@ class Session:
         if requested == "auto" and has and qnn_available() is None:
             return "qnn"
         return "cpu"
+
+    def graphs_run(self) -> dict[str, dict[str, int]]:
+        """How many distinct graphs each phase has run on each provider since the session was made:
+        ``{"prefill": {"qnn": n, "cpu": m}, "decode": {...}}``. With the qnn provider, a plan that places
+        no graph on the NPU runs everything on the CPU, and this says so."""
+        return {phase: {p: len(names) for p, names in by.items()} for phase, by in self._graphs_run.items()}
+
+    @property
+    def provider_used(self) -> str:
+        """The provider that ran graphs: ``"qnn"`` once any graph has run on the HTP, else ``"cpu"`` (also with
+        the qnn provider when the bundle's plan places every graph on the CPU)."""
+        return "qnn" if any(by["qnn"] for by in self._graphs_run.values()) else "cpu"
+
+    @property
+    def npu_graphs_planned(self) -> dict[str, int]:
+        """Graphs of the chunk program each phase would run on the QNN HTP (0 with the CPU provider)."""
+        if self.provider != "qnn":
+            return {"prefill": 0, "decode": 0}
+        names = [st["name"] for st in self.program if st["kind"] == "graph"]
+        return {phase: 0 if self._on_cpu(phase) else sum(self._on_npu(n, self._placement[phase].get(n, "npu")) for n in names)
+                for phase in ("prefill", "decode")}
 
     @property
     def decode_path(self) -> str:
@@ -446,7 +470,7 @@ class Session:
 
     def _qnn_session(self, graph: str, rows: int):
         """The QNN HTP session of an NPU graph instance and the prefix of its tensor names."""
-        from llmc.runtime.qnn import on_simulator, provider_options, register_qnn
+        from llmc.runtime.qnn import on_simulator, provider_options, qnn_session, register_qnn
 
         q = self.manifest["qnn"]
         inst = q["graphs"][graph][str(rows)]
@@ -469,11 +493,11 @@ class Session:
             if names:
                 so.add_external_initializers(names, [self._ortvalues[n] for n in names])
             so.add_provider_for_devices(devices, opts)
-            sess = ort.InferenceSession(resolve_inside(self.bundle, inst["qdq"]).read_bytes(), so)
+            sess = qnn_session(ort, resolve_inside(self.bundle, inst["qdq"]).read_bytes(), so)
         else:  # on the device: the weight-shared context binaries
             so.add_session_config_entry("ep.share_ep_contexts", "1")
             so.add_provider_for_devices(devices, opts)
-            sess = ort.InferenceSession(str(resolve_inside(self.bundle, inst["context"])), so)
+            sess = qnn_session(ort, str(resolve_inside(self.bundle, inst["context"])), so)
         return sess, inst["io_prefix"]
 
     @property
@@ -771,6 +795,7 @@ class Session:
         processor = self._placement[phase].get(name, "npu")
         sess, prefix = self._session(name, rows, processor, phase)
         on_qnn = self._on_npu(name, processor)
+        self._graphs_run[phase]["qnn" if on_qnn else "cpu"].add(name)
         i = self._step_index.get(name)
         streamed = self.residency is not None and i in self.residency.streaming.by_step
         # Only decode reuses output buffers: a prefill of one-row chunks (--chunk 1) keeps every chunk's results
@@ -865,6 +890,7 @@ class Session:
         (the last one at its own length); the logits of every row with ``all_logits``, else of the last."""
         C, start0 = self.chunk, self.position
         runner = self._chunk_graph_runner()
+        self._graphs_run["prefill"]["cpu"].add(self._decode_graph)
         k = -(-len(ids) // C)
         out = []
         for i in range(k):
@@ -903,6 +929,7 @@ class Session:
             for s in self._decode_graph_steps:  # the embedding gather, then the graph
                 self._run_step(s, buf, start, 1, None, "decode")
             logits = self._decode_graph_runner()([buf[x] for x in self._decode_graph_inputs], start)
+            self._graphs_run["decode"]["cpu"].add(self._decode_graph)
             self.position = start + 1
             return logits
         if self.residency is not None:

@@ -155,6 +155,48 @@ def test_cli_run_on_qnn(qnn_bundle):
     assert res["provider"] == "qnn" and len(res["token_ids"]) == 4
 
 
+def _llmc_process(*args: str):
+    """``llmc ARGS`` in a new process: native libraries' output reaches the real stdout there."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "llmc.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_json_stdout_is_clean_and_counts_graphs_per_provider(qnn_bundle):
+    r = _llmc_process("run", str(qnn_bundle), "--prompt-ids", "5,7,9", "--provider", "qnn", "--max-new-tokens", "3", "--no-eos", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)  # the whole of stdout: the QNN libraries' "# LIBNATIVE" line goes to stderr
+    assert res["provider"] == "qnn" and res["requested_provider"] == "qnn"
+    assert res["graphs"]["prefill"]["qnn"] > 0 and res["graphs"]["decode"]["qnn"] > 0
+    assert res["graphs"]["prefill"]["cpu"] == 0  # placement npu: every graph of the chunk program on the HTP
+    text = _llmc_process("run", str(qnn_bundle), "--prompt-ids", "5,7,9", "--provider", "qnn", "--max-new-tokens", "3", "--no-eos")
+    assert text.returncode == 0 and "LIBNATIVE" not in text.stdout
+
+
+def test_qnn_provider_with_a_cpu_plan_says_so(qnn_bundle, tmp_path):
+    import shutil
+
+    from conftest import write_manifest
+    from llmc.runtime import Session, load_manifest
+
+    b = tmp_path / "cpu-plan"
+    shutil.copytree(qnn_bundle, b)
+    m = load_manifest(b)
+    for phase in ("prefill", "decode"):
+        m["placement"][phase] = {name: "cpu" for name in m["placement"][phase]}
+    write_manifest(b, m)
+    sess = Session(b, provider="qnn")
+    assert sess.provider == "qnn" and sess.npu_graphs_planned == {"prefill": 0, "decode": 0}
+    sess.generate([5, 7, 9], 3, stop_at_eos=False)
+    assert sess.provider_used == "cpu" and sess.graphs_run()["prefill"]["qnn"] == 0 and sess.graphs_run()["decode"]["cpu"] > 0
+    r = _llmc_process("run", str(b), "--prompt-ids", "5,7,9", "--provider", "qnn", "--max-new-tokens", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["provider"] == "cpu" and res["requested_provider"] == "qnn" and res["graphs"]["prefill"]["qnn"] == 0
+    assert "places no graph on the NPU" in r.stderr
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma", "phi3"])
 def test_other_families_on_htp(family, model_dirs, tmp_path, calib_words):
     """Projection biases (Qwen2), GELU-tanh, (1 + w) norms and scaled embeddings (Gemma),
