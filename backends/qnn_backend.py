@@ -236,8 +236,9 @@ def _session_options(ort, oq, devices, soc: str, weights: dict[str, np.ndarray],
 
 
 def _prepare_shard(root: str, weights: dict[str, dict[str, Any]], soc: str,
-                   items: list[tuple[str, int, str, str, list[str]]]) -> tuple[str, str] | None:
-    """In a child process: compile one shard's QDQ graphs into EP-context models sharing one binary.
+                   items: list[tuple[str, int, str, str, list[str]]], share: bool = True) -> tuple[str, str] | None:
+    """In a child process: compile one shard's QDQ graphs into EP-context models sharing one binary
+    (``share=False``: a binary of its own each, which the x86_64 HTP simulator can load).
 
     ``items`` are (subgraph, rows, QDQ model path, context model path, external
     weight names), relative to ``root``. Returns (message, hint) if the HTP
@@ -247,9 +248,10 @@ def _prepare_shard(root: str, weights: dict[str, dict[str, Any]], soc: str,
     arrays = map_weights(root, weights)
     base = Path(root)
     for k, (name, rows, qdq_rel, ctx_rel, names) in enumerate(items):
-        extra = {"ep.context_enable": "1", "ep.context_file_path": str(base / ctx_rel), "ep.context_embed_mode": "0",
-                 "ep.share_ep_contexts": "1"}
-        if k == len(items) - 1:
+        extra = {"ep.context_enable": "1", "ep.context_file_path": str(base / ctx_rel), "ep.context_embed_mode": "0"}
+        if share:
+            extra["ep.share_ep_contexts"] = "1"
+        if share and k == len(items) - 1:
             extra["ep.stop_share_ep_contexts"] = "1"
         so = _session_options(ort, oq, devices, soc, arrays, names, extra)
         try:
@@ -260,14 +262,15 @@ def _prepare_shard(root: str, weights: dict[str, dict[str, Any]], soc: str,
     return None
 
 
-def _run_shard_process(root: Path, weights: dict[str, dict[str, Any]], soc: str, si: int, items: list) -> None:
+def _run_shard_process(root: Path, weights: dict[str, dict[str, Any]], soc: str, si: int, items: list, share: bool = True,
+                       job_dir: Path | None = None) -> None:
     """Run :func:`_prepare_shard` for shard ``si`` in a new Python process (``python -m llmc.backends.qnn_backend``)."""
     import json
     import subprocess
     import sys
 
-    job = root / "qnn" / f".shard{si:02d}.json"
-    job.write_text(json.dumps({"root": str(root), "weights": weights, "soc": soc, "items": items}))
+    job = (job_dir or root / "qnn") / f".shard{si:02d}.json"
+    job.write_text(json.dumps({"root": str(root), "weights": weights, "soc": soc, "items": items, "share": share}))
     try:
         proc = subprocess.run([sys.executable, "-m", "llmc.backends.qnn_backend", str(job)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)
@@ -363,5 +366,5 @@ if __name__ == "__main__":  # one shard, for _run_shard_process: the job file in
 
     _job = Path(sys.argv[1])
     _spec = json.loads(_job.read_text())
-    _failure = _prepare_shard(_spec["root"], _spec["weights"], _spec["soc"], [tuple(i) for i in _spec["items"]])
+    _failure = _prepare_shard(_spec["root"], _spec["weights"], _spec["soc"], [tuple(i) for i in _spec["items"]], _spec.get("share", True))
     _job.write_text(json.dumps({"error": _failure[0], "hint": _failure[1]} if _failure else {}))

@@ -539,6 +539,40 @@ def _kv_cache_summary(m: dict) -> dict:
 
 @cli.command()
 @click.argument("bundle", type=click.Path())
+@click.option("--device", required=True, help="The device the package is for: the SoC the bundle was compiled for (--soc).")
+@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False), help="Package directory to write (replaced atomically).")
+@click.option("--contexts", type=click.Choice(["shared", "unshared"]), default="shared", show_default=True,
+              help="The bundle's weight-shared context binaries (for the device), or each NPU graph instance prepared again "
+                   "as a binary of its own (bigger; loadable by the x86_64 HTP simulator, for checks).")
+@click.option("--json", "as_json", is_flag=True, help="Print the package summary as JSON.")
+@_guard
+def package(bundle, device, out, contexts, as_json):
+    """Write the files a DEVICE's run of BUNDLE reads into a package directory.
+
+    Only what a generation on that device reads: the context binaries of the graphs the plan runs on the NPU,
+    the CPU graphs it runs on the CPU, the weights the CPU side reads and the tokenizer, under a manifest of
+    their own (hashes, the SoC and HTP arch, the ONNX Runtime and QNN versions the binaries need, the bytes
+    per kind of file). `llmc run PACKAGE` runs it as a bundle. See docs/deploy.md.
+    """
+    from llmc.backends.package import package_bundle
+
+    s = package_bundle(bundle, device, out, contexts)
+    if as_json:
+        click.echo(json.dumps({"package": str(s.path), "device": s.device, "files": s.files, "bytes": s.bytes_by_kind,
+                               "total_bytes": s.total_bytes, "npu_instances": s.npu_instances, "cpu_instances": s.cpu_instances,
+                               "left_out_bytes": s.dropped_bytes, "notes": s.notes}))
+        return
+    for note in s.notes:
+        click.echo(f"note: {note}", err=True)
+    than = f"{s.dropped_bytes / 1e6:.1f} MB less" if s.dropped_bytes >= 0 else f"{-s.dropped_bytes / 1e6:.1f} MB more"
+    click.echo(f"wrote {s.path}: package for {s.device}, {s.files} files, {s.total_bytes / 1e6:.1f} MB ({than} than the bundle); "
+               f"{s.npu_instances} graph instances on the NPU, {s.cpu_instances} on the CPU")
+    for kind, n in sorted(s.bytes_by_kind.items(), key=lambda kv: -kv[1]):
+        click.echo(f"  {kind:<17}{n / 1e6:10.2f} MB")
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 @click.option("--no-verify", is_flag=True, help="Skip the SHA-256 check of every file.")
 @_guard
@@ -560,7 +594,7 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
 
     files = m["files"]
     weight_bytes = sum(w["nbytes"] for w in m["weights"].values())
-    graph_bytes = sum(files[i["file"]]["bytes"] for g in m["graphs"].values() for i in g["instances"].values())
+    graph_bytes = sum(files[i["file"]]["bytes"] for g in m["graphs"].values() for i in g["instances"].values() if "file" in i)
     summary = {
         "model": m["model"],
         "target": m["target"],
@@ -590,6 +624,7 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
         "placement": None,
         "predicted": (m.get("schedule") or {}).get("predicted"),
         "kv_cache": _kv_cache_summary(m),
+        "package": m.get("package"),
     }
     if m.get("placement"):
         pl = m["placement"]
@@ -643,8 +678,13 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
             click.echo(f"qnn        skipped: {q['skipped']}")
         else:
             click.echo(f"qnn        {q['soc']} (HTP {q['htp_arch']}), {q['graphs']} graph instances in {len(q['binaries'])} context binaries:")
-            for b in q["binaries"]:
-                click.echo(f"  shard {b['shard']:<3} {', '.join(b['files'])}  {b['bytes'] / 1e6:.2f} MB  ({len(b['graphs'])} graphs share its weights)")
+            for i, b in enumerate(q["binaries"]):
+                click.echo(f"  shard {b.get('shard', i):<3} {', '.join(b['files'])}  {b['bytes'] / 1e6:.2f} MB  ({len(b['graphs'])} graphs share its weights)")
+    pk = summary["package"]
+    if pk is not None:
+        needs = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in pk["requires"].items())
+        click.echo(f"package    for {pk['device']} (HTP {pk['htp_arch']}, soc_model {pk['soc_model']}), {pk['contexts']} contexts: "
+                   f"{len(pk['npu_instances'])} graph instances on the NPU, {len(pk['cpu_instances'])} on the CPU; needs {needs}")
     o = summary["offload"]
     if o is not None:
         click.echo(f"offload    budget {o['budget_bytes'] / 1e6:.1f} MB: {o['resident']} weights resident ({o['resident_bytes'] / 1e6:.1f} MB), "

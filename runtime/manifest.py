@@ -164,7 +164,7 @@ def load_manifest(bundle: str | Path, verify: bool = True) -> dict[str, Any]:
         # Every path the runtime will open must be one of the checked files.
         referenced = [w["file"] for w in manifest.get("weights", {}).values()]
         for g in manifest.get("graphs", {}).values():
-            referenced += [inst["file"] for inst in g["instances"].values()]
+            referenced += [inst["file"] for inst in g["instances"].values() if "file" in inst]  # a package omits some
         for g in (manifest.get("mlir") or {}).values():
             referenced += [inst["file"] for inst in g.values()]
         for g in ((manifest.get("qnn") or {}).get("graphs") or {}).values():

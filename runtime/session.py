@@ -321,6 +321,7 @@ class Session:
             raise BundleError(f"{self.bundle}: its attention caches are {unknown[0]}, which this runtime does not know (float32, float16 or int8)",
                               hint="the bundle was made by a newer llmc; upgrade the runtime")
         self._kv_half = {layer for layer, k in kinds.items() if k == "float16"}
+        self._check_instances_present()
         if not lazy:
             self.warmup()
 
@@ -329,7 +330,9 @@ class Session:
         from llmc.runtime.qnn import qnn_available
 
         q = self.manifest.get("qnn") or {}
-        has = bool(q.get("graphs")) and "offload" not in self.manifest  # context binaries hold every weight
+        # context binaries hold every weight, so a budgeted bundle has none; a package whose plan runs nothing on the NPU
+        # holds none either, and runs on the CPU under the qnn provider as its bundle does
+        has = (bool(q.get("graphs")) or ("package" in self.manifest and "soc" in q)) and "offload" not in self.manifest
         if requested == "qnn" and "offload" in self.manifest:
             raise ProviderError(f"{self.bundle} was compiled with a memory budget, which the QNN provider cannot honour "
                                 "(its context binaries hold every weight)", hint="use --provider cpu")
@@ -484,7 +487,8 @@ class Session:
         so.intra_op_num_threads = 1
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts = provider_options(oq, q["htp_arch"], q["soc_model"])
-        if on_simulator():
+        unshared = q.get("contexts") == "unshared"  # one graph per binary: these load on the simulator too
+        if on_simulator() and not unshared:
             names = list(self.graphs[graph]["weights"])
             for n in names:
                 if n not in self._ortvalues:
@@ -494,9 +498,14 @@ class Session:
                 so.add_external_initializers(names, [self._ortvalues[n] for n in names])
             so.add_provider_for_devices(devices, opts)
             sess = qnn_session(ort, resolve_inside(self.bundle, inst["qdq"]).read_bytes(), so)
-        else:  # on the device: the weight-shared context binaries
-            so.add_session_config_entry("ep.share_ep_contexts", "1")
+        else:  # on the device: the weight-shared context binaries (or a package's unshared ones)
+            if not unshared:
+                so.add_session_config_entry("ep.share_ep_contexts", "1")
             so.add_provider_for_devices(devices, opts)
+            if "binary" in inst:  # once per file: it holds the graphs the manifest records, or BundleError
+                from llmc.backends.qnn_binary import verify_binary
+
+                verify_binary(self.bundle, inst["binary"], q)
             sess = qnn_session(ort, str(resolve_inside(self.bundle, inst["context"])), so)
         return sess, inst["io_prefix"]
 
@@ -540,6 +549,9 @@ class Session:
         inst = g["instances"].get(str(rows))
         if inst is None:
             raise BundleError(f"{self.bundle}: graph {graph} has no instance for {rows} rows (has {sorted(g['instances'])})")
+        if "file" not in inst:  # a device package: this instance runs on its NPU
+            raise ProviderError(f"{self.bundle} is a device package and holds no CPU instance of graph {graph} ({rows} rows)",
+                                hint="run the bundle it was made from for this")
         so = ort.SessionOptions()
         by_row = g.get("fed", []) if self.residency is None else []  # the decode program's shadow tables: read by row
         small = rows == 1 and g["weight_bytes"] - sum(self.manifest["weights"][n]["nbytes"] for n in by_row) < ONE_THREAD_BYTES
@@ -619,13 +631,38 @@ class Session:
             return None  # the CPU program runs decode (and prefill on the CPU provider)
         return phase
 
-    def warmup(self) -> None:
-        """Create every ONNX Runtime session now instead of on first use."""
+    def planned_instances(self) -> list[tuple[str, int, bool]]:
+        """The graph instances a generation runs, as (graph, rows, on the QNN HTP): those :meth:`warmup` makes sessions of."""
+        out = []
         for name, g in self.graphs.items():
             for rows in g["instances"]:
                 phase = self._runs_in(name, int(rows))
                 if phase is not None:
-                    self._session(name, int(rows), self._placement[phase].get(name, "npu"))
+                    out.append((name, int(rows), self._on_npu(name, self._placement[phase].get(name, "npu"))))
+        return out
+
+    def _check_instances_present(self) -> None:
+        """Every graph instance a generation runs is in the bundle: a device package (``llmc package``) holds only
+        what its device runs, the context binaries of its NPU graphs and not their CPU instances or QDQ graphs."""
+        from llmc.runtime.qnn import on_simulator
+
+        pkg = self.manifest.get("package") or {}
+        q = self.manifest.get("qnn") or {}
+        for name, rows, on_npu in self.planned_instances():
+            if not on_npu and "file" not in self.graphs[name]["instances"][str(rows)]:
+                raise ProviderError(f"{self.bundle} is a package for {pkg.get('device', 'a device')}: graph {name} ({rows} rows) runs on its NPU, "
+                                    f"and the package holds no CPU instance of it for --provider {self.provider}",
+                                    hint="run the package with --provider qnn on the device, or run the bundle it was made from")
+            if on_npu and on_simulator() and q.get("contexts") != "unshared" and "qdq" not in q["graphs"][name][str(rows)]:
+                raise ProviderError(f"{self.bundle} is a package for {pkg.get('device', 'a device')}: its weight-shared context binaries load on "
+                                    "the device's HTP, not on this machine's HTP simulator, and it holds no QDQ graphs to prepare here",
+                                    hint="run it on the device; here, run the bundle it was made from, or make the package with --contexts unshared")
+
+    def warmup(self) -> None:
+        """Create every ONNX Runtime session now instead of on first use."""
+        for name, rows, on_npu in self.planned_instances():
+            phase = self._runs_in(name, rows)
+            self._session(name, rows, self._placement[phase].get(name, "npu"))
         self.reset()
         if self._decode_graph is not None:
             # one call now, so that the ops' first-call work is done at load, not at a generation's second token: the
