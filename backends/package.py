@@ -114,7 +114,7 @@ def _copy(bundle: Path, root: Path, rel: str) -> None:
     shutil.copyfile(resolve_inside(bundle, rel), dst)
 
 
-def _prepare_unshared(bundle: Path, m: dict[str, Any], npu: list[tuple[str, int]], root: Path, soc: str) -> dict[str, dict[str, str]]:
+def prepare_unshared_contexts(bundle: Path, m: dict[str, Any], npu: list[tuple[str, int]], root: Path, soc: str) -> dict[str, dict[str, str]]:
     """Each NPU instance as an EP-context model with a binary of its own; (graph, rows) -> its context and binary paths."""
     import onnx
 
@@ -192,7 +192,7 @@ def package_bundle(bundle: str | Path, device: str, out: str | Path, contexts: s
             graphs[name] = {**spec, "instances": instances}
         qgraphs: dict[str, dict[str, Any]] = {}
         if contexts == "unshared":
-            made = _prepare_unshared(bundle, m, npu, root, device)
+            made = prepare_unshared_contexts(bundle, m, npu, root, device)
         for name, by_rows in q["graphs"].items():
             for rows, inst in by_rows.items():
                 if (name, int(rows)) not in npu:

@@ -573,6 +573,52 @@ def package(bundle, device, out, contexts, as_json):
 
 @cli.command()
 @click.argument("bundle", type=click.Path())
+@click.option("--qnn", "check_qnn", is_flag=True,
+              help="Also run every NPU graph instance on the HTP simulator (as a context binary of its own) against ONNX Runtime's "
+                   "CPU provider on the same QDQ graph, and the logits of a few prompts end to end.")
+@click.option("--prompts", type=click.IntRange(1), default=5, show_default=True, help="[--qnn] Prompts to run (held-out English, or random ids).")
+@click.option("--tolerance", type=click.FloatRange(0, min_open=True), default=0.05, show_default=True,
+              help="[--qnn] Largest HTP-vs-CPU difference of a graph's output, as a fraction of its largest magnitude (exit 12 beyond).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_guard
+def verify(bundle, check_qnn, prompts, tolerance, as_json):
+    """Check a BUNDLE (or package): every file's SHA-256, the manifest, that the runtime loads it; with --qnn the HTP's numerics.
+
+    With --qnn, a table per graph instance: `htp` is the HTP against the CPU provider on the same fully quantized
+    graph (what the HTP computes differently), `qdq` that graph on the CPU against the bundle's CPU instance (what
+    the 16-bit activations cost), both relative to the output's largest magnitude. Exit 12 when an `htp` figure
+    exceeds --tolerance.
+    """
+    from llmc.runtime import Session, load_manifest
+
+    m = load_manifest(bundle)  # every file's hash, the manifest's digest, paths inside the bundle
+    if "package" not in m:  # a package's graphs may all be for its device's NPU
+        Session(bundle, provider="cpu", lazy=True)
+    result = {"bundle": bundle, "files": "every file matches its SHA-256 in the manifest"}
+    if not check_qnn:
+        click.echo(json.dumps(result) if as_json else f"{bundle}: ok ({result['files']})")
+        return
+    from llmc.backends.qnn_verify import VerificationFailed, verify_qnn
+
+    r = verify_qnn(bundle, prompts=prompts, tolerance=tolerance)
+    if as_json:
+        click.echo(json.dumps({**result, "qnn": r.as_dict()}))
+    else:
+        click.echo(f"{bundle}: {len(r.instances)} NPU graph instances on the {r.soc} HTP simulator against the CPU provider "
+                   f"(fraction of each output's largest magnitude)")
+        click.echo(f"  {'graph':<14}{'rows':>5}{'htp':>9}{'qdq':>9}")
+        for c in r.instances:
+            click.echo(f"  {c.graph:<14}{c.rows:>5}{c.htp:9.4f}{c.qdq:9.4f}" + ("   over the tolerance" if c.htp > tolerance else ""))
+        click.echo(f"  logits of {len(r.logits_gap)} prompts, every graph on the HTP against the CPU provider: "
+                   f"max {max(r.logits_gap):.4f}, mean {sum(r.logits_gap) / len(r.logits_gap):.4f} of the largest logit")
+    if not r.ok:
+        w = r.worst
+        raise VerificationFailed(f"graph {w.graph} ({w.rows} rows) differs on the HTP from the CPU provider by {w.htp:.4f} of its largest "
+                                 f"output, over --tolerance {tolerance}", hint="see docs/qnn.md on the HTP's numerics")
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 @click.option("--no-verify", is_flag=True, help="Skip the SHA-256 check of every file.")
 @_guard

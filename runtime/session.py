@@ -182,15 +182,22 @@ class Session:
     A bundle compiled with a memory budget keeps only its resident weights in
     memory and streams the others from storage (:mod:`llmc.runtime.residency`);
     ``prefetch=False`` reads each streamed weight when its step runs instead of
-    ahead of time.
+    ahead of time. ``placement`` ``"npu"`` or ``"cpu"`` overrides the compiled
+    placement of every graph in both phases (``llmc verify --qnn`` runs every
+    NPU graph on the HTP so).
     """
 
     def __init__(self, bundle: str | Path, provider: str = "auto", *, verify: bool = True, threads: int | None = None, lazy: bool = False,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, placement: str | None = None) -> None:
         import onnxruntime as ort
 
         if provider not in PROVIDERS:
             raise ProviderError(f"unknown provider {provider!r}", hint="choose one of: " + ", ".join(PROVIDERS))
+        if placement not in (None, "npu", "cpu"):
+            raise ValueError(f"placement {placement!r}: None (the compiled one), 'npu' or 'cpu'")
+        self._placement_override = placement
+        # graph instance -> the inputs of its first run, when a caller sets this to a dict (llmc verify --qnn)
+        self.recorded_inputs: dict[tuple[str, int], dict[str, np.ndarray]] | None = None
         self.bundle = Path(bundle)
         self.manifest = load_manifest(self.bundle, verify=verify)
         try:
@@ -236,6 +243,9 @@ class Session:
         self._orders = (m.get("schedule") or {}).get("orders", {})
         pl = m.get("placement") or {}
         self._placement = {"prefill": pl.get("prefill", {}), "decode": pl.get("decode", {})}
+        if self._placement_override is not None:
+            every = {st["name"]: self._placement_override for st in self.program if st["kind"] == "graph"}
+            self._placement = {"prefill": dict(every), "decode": dict(every)}
         self._uses = self._readers(self.program, self._head_steps)
         self._head_inputs = {v for i in self._head_steps for v in self.program[i]["inputs"]}
         self._hot_pos: dict[str, np.ndarray] = {}
@@ -631,6 +641,16 @@ class Session:
             return None  # the CPU program runs decode (and prefill on the CPU provider)
         return phase
 
+    def run_instance(self, graph: str, rows: int, inputs: dict[str, np.ndarray], processor: str = "cpu") -> dict[str, np.ndarray]:
+        """Run one graph instance on ``inputs`` (its IR input names) on the CPU or, with the qnn provider, the NPU;
+        its outputs by IR name."""
+        sess, prefix = self._session(graph, rows, processor)
+        feeds = {prefix + k: v for k, v in inputs.items()}
+        if not self._on_npu(graph, processor) and graph in self._fed:
+            feeds.update(self._fed[graph])
+        names = [o["name"] for o in self.graphs[graph]["outputs"]]
+        return dict(zip(names, sess.run([prefix + n for n in names], feeds)))
+
     def planned_instances(self) -> list[tuple[str, int, bool]]:
         """The graph instances a generation runs, as (graph, rows, on the QNN HTP): those :meth:`warmup` makes sessions of."""
         out = []
@@ -833,6 +853,8 @@ class Session:
         sess, prefix = self._session(name, rows, processor, phase)
         on_qnn = self._on_npu(name, processor)
         self._graphs_run[phase]["qnn" if on_qnn else "cpu"].add(name)
+        if self.recorded_inputs is not None and (name, rows) not in self.recorded_inputs:
+            self.recorded_inputs[(name, rows)] = {x: np.array(buf[x]) for x in s["inputs"]}
         i = self._step_index.get(name)
         streamed = self.residency is not None and i in self.residency.streaming.by_step
         # Only decode reuses output buffers: a prefill of one-row chunks (--chunk 1) keeps every chunk's results
