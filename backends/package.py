@@ -76,6 +76,16 @@ def _kind(rel: str) -> str:
     return "other"
 
 
+def _platforms(device: str) -> tuple[str, ...]:
+    """The operating systems the device's profile says the SoC ships in (none for a profile without them)."""
+    from llmc.device_profile import ProfileError, load
+
+    try:
+        return load(device).platforms
+    except ProfileError:
+        return ()
+
+
 def _weights_read_by_cpu(m: dict[str, Any], cpu_graphs: set[str]) -> set[str]:
     names: set[str] = set()
     for program in (m["program"], m.get("decode_program", [])):
@@ -215,6 +225,14 @@ def package_bundle(bundle: str | Path, device: str, out: str | Path, contexts: s
             binaries = [b for b in q["binaries"] if set(b["files"]) & shipped_bins]
         qnn = {k: v for k, v in q.items() if k not in ("graphs", "binaries", "x86_64_route")}
         qnn.update(graphs=qgraphs, binaries=binaries, contexts=contexts)
+        if contexts == "unshared" and binaries:  # what the new binaries hold, read back, for the runtime's check
+            from llmc.runtime.qnn_binary import check_binaries
+
+            # checked against the bundle's QDQ graphs (absolute paths: they stay out of the package)
+            with_qdq = {**qnn, "graphs": {n: {r: {**e, "qdq": str((bundle / q["graphs"][n][r]["qdq"]).absolute())} for r, e in by.items()}
+                                          for n, by in qgraphs.items()}}
+            for b, info in zip(binaries, check_binaries(root, with_qdq, graphs=True)["binaries"]):
+                b["info"] = info
         by_kind: dict[str, int] = {}
         for p in sorted(root.rglob("*")):
             if p.is_file():
@@ -227,6 +245,7 @@ def package_bundle(bundle: str | Path, device: str, out: str | Path, contexts: s
             "htp_arch": q["htp_arch"],
             "soc_model": q["soc_model"],
             "contexts": contexts,
+            "platforms": list(_platforms(device)),
             "requires": {**q.get("versions", {}), **({"qnn_sdk_build": q["qnn_sdk_build"]} if "qnn_sdk_build" in q else {})},
             "bundle": {"manifest_sha256": m.get("manifest_sha256"), "files": len(m["files"]),
                        "bytes": sum(f["bytes"] for f in m["files"].values())},

@@ -513,7 +513,7 @@ class Session:
                 so.add_session_config_entry("ep.share_ep_contexts", "1")
             so.add_provider_for_devices(devices, opts)
             if "binary" in inst:  # once per file: it holds the graphs the manifest records, or BundleError
-                from llmc.backends.qnn_binary import verify_binary
+                from llmc.runtime.qnn_binary import verify_binary
 
                 verify_binary(self.bundle, inst["binary"], q)
             sess = qnn_session(ort, str(resolve_inside(self.bundle, inst["context"])), so)

@@ -63,6 +63,7 @@ def test_package_holds_only_the_files_the_device_reads(npu_bundle, tmp_path):
     assert not any(re.fullmatch(r"qnn/[^/]+\.onnx", f) or f.startswith("graphs/") for f in p["files"])
     pk = p["package"]
     assert (pk["device"], pk["soc"], pk["htp_arch"], pk["soc_model"], pk["contexts"]) == ("8gen3", "8gen3", "v75", 57, "shared")
+    assert pk["platforms"] == ["android-aarch64"] and pk["requires"]["qnn_sdk_build"].startswith("v2.")
     assert set(pk["requires"]) >= {"onnxruntime", "onnxruntime_qnn"} and pk["bundle"]["manifest_sha256"] == b["manifest_sha256"]
     assert sum(pk["bytes"].values()) == sum(f["bytes"] for f in p["files"].values())
     assert s.npu_instances == sum(len(v) for v in q["graphs"].values()) and s.cpu_instances == 0
