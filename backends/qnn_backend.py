@@ -47,13 +47,17 @@ from llmc.runtime.qnn import provider_options, qnn_available, register_qnn
 
 log = logging.getLogger(__name__)
 
-# SoC name -> (HTP architecture, QNN soc_model id). HTP archs from the QNN / ONNX
-# Runtime QNN EP docs (8 Gen 2 = v73, 8 Gen 3 = v75, 8 Elite = v79).
-SOCS = {
-    "8gen2": ("73", "43"),
-    "8gen3": ("75", "57"),
-    "8elite": ("79", "69"),
-}
+
+
+def _socs() -> dict[str, tuple[str, str]]:
+    from llmc.device_profile import qnn_socs
+
+    return {name: (p.qnn["htp_arch"].lstrip("v"), str(p.qnn["soc_model"])) for name, p in qnn_socs().items()}
+
+
+# SoC name -> (HTP architecture without "v", QNN soc_model id), read from the shipped device
+# profiles that carry "qnn" SoC facts (compiler/profiles/*.json; each with its source).
+SOCS = _socs()
 DEFAULT_SHARD_BYTES = 2 << 30  # well under the ~4 GB the HTP can address
 # Graph instances per context: preparing SmolLM2's 276 in one context took 4.7 GB of host memory
 # and 173 s, in contexts of at most 69 1.6 GB and 80 s (docs/qnn.md).
@@ -222,6 +226,84 @@ class _Builder:
         return model
 
 
+def _probe_model() -> bytes:
+    """A tiny fully quantized graph in the backend's form: uint16 QDQ activations into an HTP MatMul
+    with symmetric int8 weights (zero point 0)."""
+    from onnx import helper, numpy_helper
+
+    k, n = 64, 32
+    w = (np.arange(k * n, dtype=np.int64).reshape(k, n) % 255 - 127).astype(np.int8)
+    inits = [numpy_helper.from_array(np.float32(1e-3), "x.s"), numpy_helper.from_array(np.uint16(32768), "x.z"),
+             numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.float32(1e-2), "w.s"), numpy_helper.from_array(np.int8(0), "w.z"),
+             numpy_helper.from_array(np.float32(1e-2), "y.s"), numpy_helper.from_array(np.uint16(32768), "y.z")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x.s", "x.z"], ["x.q"]), helper.make_node("DequantizeLinear", ["x.q", "x.s", "x.z"], ["x.d"]),
+             helper.make_node("DequantizeLinear", ["w", "w.s", "w.z"], ["w.d"]), helper.make_node("MatMul", ["x.d", "w.d"], ["y"]),
+             helper.make_node("QuantizeLinear", ["y", "y.s", "y.z"], ["y.q"]), helper.make_node("DequantizeLinear", ["y.q", "y.s", "y.z"], ["out"])]
+    g = helper.make_graph(nodes, "llmc_soc_probe", [helper.make_tensor_value_info("x", 1, [4, k])], [helper.make_tensor_value_info("out", 1, [4, n])], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], producer_name="llmc")
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+def probe_soc(soc: str, workdir: Path) -> dict[str, Any]:
+    """Prepare a tiny uint16 QDQ MatMul for ``soc`` with the QNN EP (``ep.context_enable``) into ``workdir``.
+
+    Returns the context model and binary paths and what the HTP prepare configuration recorded in the
+    binary says (``soc_type``, ``arch``; None where this QNN build does not record them). Raises
+    QnnBackendError, naming the QNN build and what the SoC needs, if the EP cannot prepare for it.
+    """
+    import re
+
+    from llmc.device_profile import load
+
+    if soc not in SOCS:
+        raise QnnBackendError(f"unknown SoC {soc!r}", hint="choose one of: " + ", ".join(SOCS))
+    facts = load(soc).qnn
+    ort, oq, devices = register_qnn()
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx = workdir / f"probe_{soc}_ctx.onnx"
+    so = _session_options(ort, oq, devices, soc, {}, [], {"ep.context_enable": "1", "ep.context_file_path": str(ctx), "ep.context_embed_mode": "0"})
+    build = f"onnxruntime-qnn {versions()['onnxruntime_qnn']} (QNN {getattr(oq, 'qnn_version', None) or _qnn_version()})"
+    try:
+        ort.InferenceSession(_probe_model(), so)
+        bins = sorted(workdir.glob(f"probe_{soc}_ctx*.bin"))
+        if not ctx.is_file() or not bins:
+            raise RuntimeError("no context binary was written")
+    except Exception as e:
+        need = facts.get("requires") or f"a QNN build whose SoC table has soc_model {facts['soc_model']} ({facts['part']}, HTP {facts['htp_arch']})"
+        raise QnnBackendError(f"{build} cannot prepare QNN HTP graphs for --soc {soc} ({facts['part']}, HTP {facts['htp_arch']}, "
+                              f"soc_model {facts['soc_model']}): {str(e).strip().splitlines()[-1][:300]}",
+                              hint=f"this SoC needs {need}; install an onnxruntime-qnn built with it, or pick another --soc") from None
+    blob = bins[0].read_bytes().decode("latin-1")
+    field = lambda k: (m.group(1) if (m := re.search(rf";{k}=([^;]*);", blob)) else None)  # noqa: E731
+    arch = field("arch")
+    return {"context": ctx, "binary": bins[0], "soc_type": field("soc_type"), "htp_arch": f"v{arch}" if arch else None, "build": build}
+
+
+def _qnn_version() -> str:
+    try:
+        from onnxruntime_qnn.build_and_package_info import qnn_version
+
+        return str(qnn_version)
+    except ImportError:
+        return "unknown"
+
+
+def check_soc(soc: str) -> None:
+    """Fail now, before the slow stages, if this QNN build cannot prepare for ``soc`` or prepares it as another SoC."""
+    import tempfile
+
+    from llmc.device_profile import load
+
+    facts = load(soc).qnn
+    with tempfile.TemporaryDirectory(prefix="llmc-soc-") as d:
+        got = probe_soc(soc, Path(d))
+    if (got["soc_type"] and got["soc_type"] != facts["part"]) or (got["htp_arch"] and got["htp_arch"] != facts["htp_arch"]):
+        raise QnnBackendError(f"{got['build']} prepares soc_model {facts['soc_model']} as {got['soc_type']} (HTP {got['htp_arch']}), "
+                              f"but --soc {soc} is {facts['part']} (HTP {facts['htp_arch']})",
+                              hint=f"the soc_model id of {soc} does not match this QNN build's SoC table; check compiler/profiles/{soc}.json")
+
+
 def _session_options(ort, oq, devices, soc: str, weights: dict[str, np.ndarray], names: list[str], extra: dict[str, str]):
     htp_arch, soc_model = SOCS[soc]
     so = ort.SessionOptions()
@@ -345,7 +427,7 @@ def emit_qnn(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], 
                     if attr.name == "ep_cache_context":
                         graphs[name][str(rows)]["binary"] = f"qnn/ctx/shard{si:02d}/{attr.s.decode()}"
     htp_arch, soc_model = SOCS[soc]
-    return {
+    qnn = {
         "soc": soc,
         "htp_arch": f"v{htp_arch}",
         "soc_model": int(soc_model),
@@ -358,6 +440,24 @@ def emit_qnn(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], 
                         "runs qnn/<graph>.onnx through the QNN EP (prepared for the HTP in-session); on the device it loads the contexts",
         "built_on": platform.machine(),
     }
+    return _check_binaries(root, qnn)
+
+
+def _check_binaries(root: Path, qnn: dict[str, Any]) -> dict[str, Any]:
+    """Read back every context binary written (``llmc.runtime.qnn_binary``), check it holds each graph
+    instance as its QDQ graph says, and record what it holds in ``qnn``."""
+    from llmc.runtime.qnn_binary import QnnBinaryError, check_binaries
+
+    try:
+        checked = check_binaries(root, qnn, graphs=True)
+    except QnnBinaryError as e:
+        raise QnnBackendError(f"the QNN EP wrote a context binary that does not match its graphs: {e}",
+                              hint="a bug in llmc or in onnxruntime-qnn; report it with the versions: "
+                                   + ", ".join(f"{k} {v}" for k, v in qnn["versions"].items())) from e
+    for b, info in zip(qnn["binaries"], checked["binaries"]):
+        b["info"] = info
+    qnn["qnn_sdk_build"], qnn["qnn_core_api"] = checked["qnn_sdk_build"], checked["qnn_core_api"]
+    return qnn
 
 
 if __name__ == "__main__":  # one shard, for _run_shard_process: the job file in, the result written back into it

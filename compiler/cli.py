@@ -44,6 +44,13 @@ def _guard(fn):
     return wrapper
 
 
+def _soc_names() -> list[str]:
+    """The ``--soc`` choices: the shipped device profiles with QNN SoC facts (as ``llmc.backends.qnn_backend.SOCS``)."""
+    from llmc.device_profile import qnn_socs
+
+    return list(qnn_socs())
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="llmc")
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
@@ -65,8 +72,9 @@ def cli(verbose: int) -> None:
 @click.option("--target", type=click.Choice(["cpu", "npu", "mlir"]), default="cpu", show_default=True,
               help="cpu: float32 static graphs. npu: W8A8 QDQ graphs with shadow outliers. "
                    "mlir: the cpu bundle plus every static subgraph as MLIR (needs llmc[mlir]).")
-@click.option("--soc", type=click.Choice(["8gen2", "8gen3", "8elite"]), default=None,
-              help="[npu] Also build QNN HTP context binaries for this Snapdragon (v73 / v75 / v79); needs llmc[qnn].")
+@click.option("--soc", type=click.Choice(_soc_names()), default=None,
+              help="[npu] Also build QNN HTP context binaries for this Qualcomm SoC (the profiles with QNN SoC facts; "
+                   "`llmc profiles` lists their HTP arch and QNN soc_model); needs llmc[qnn].")
 @click.option("--qnn-shard-mb", type=click.IntRange(1), default=None, help="[npu] Largest weights per QNN context binary (default 2048 MB).")
 @click.option("--qnn-shard-graphs", type=click.IntRange(1), default=None,
               help="[npu] Most graph instances per QNN context binary (default 64; bounds the host memory of preparing it).")
@@ -187,7 +195,7 @@ def _peak_rss_mb() -> float:
 @cli.command()
 @click.argument("model")
 @click.option("--soc", "--profile", "profile", default="8gen3", show_default=True,
-              help="Device profile: 8gen2, 8gen3, 8elite, host (after `llmc profile-host`) or a profile .json.")
+              help="Device profile: a shipped one (see `llmc profiles`: 8gen3, 8elite, xelite, qcs6490, ...), host (after `llmc profile-host`) or a profile .json.")
 @click.option("--prompt-len", type=click.IntRange(1), default=1024, show_default=True, help="Prompt length to predict prefill for.")
 @click.option("--target", type=click.Choice(["npu", "cpu"]), default="npu", show_default=True, help="Program shape to plan: W8A8 with shadow outliers (npu) or float32 (cpu).")
 @click.option("--weights", type=click.Choice(["float32", "int4"]), default="float32", show_default=True, help="[cpu] Plan the int4 weight-only program (as compile --weights int4).")
@@ -310,14 +318,23 @@ def profiles(name):
     from llmc import device_profile
 
     if name is None:
-        for n in device_profile.available():
+        names = device_profile.available()
+        w = max(len(n) for n in names + ["host"]) + 1
+        for n in names:
             p = device_profile.load(n)
-            click.echo(f"{n:<8} {p.description}")
-        if "host" not in device_profile.available():
-            click.echo("host     (not measured yet: run `llmc profile-host`)")
+            soc = (f"{p.qnn['part']}, HTP {p.qnn['htp_arch']}, soc_model {p.qnn['soc_model']}" if p.qnn else "no --soc (no QNN SoC facts)")
+            click.echo(f"{n:<{w}} {soc}; platforms: {', '.join(p.platforms) or '-'}\n{'':<{w}} {p.description}")
+        if "host" not in names:
+            click.echo(f"{'host':<{w}} (not measured yet: run `llmc profile-host`)")
         return
     p = device_profile.load(name)
     click.echo(f"{p.name}: {p.description}  [{p.path}]")
+    if p.qnn:
+        click.echo(f"  {'qnn':<28} {p.qnn['part']}, HTP {p.qnn['htp_arch']}, soc_model {p.qnn['soc_model']}\n      source: {p.qnn['source']}")
+        if p.qnn.get("requires"):
+            click.echo(f"      requires: {p.qnn['requires']}")
+    if p.platforms:
+        click.echo(f"  {'platforms':<28} {', '.join(p.platforms)}\n      source: {p.platforms_source}")
     for k in sorted(p.values):
         click.echo(f"  {k:<28} {p.values[k]:.4g}\n      source: {p.sources[k]}")
     for k, rows in sorted(p.tables.items()):
@@ -629,13 +646,33 @@ def inspect(bundle, as_json, no_verify):
 
     m = load_manifest(bundle, verify=not no_verify)
     try:
-        _inspect(bundle, m, as_json)
+        _inspect(bundle, m, as_json, _check_qnn_binaries(bundle, m, no_verify))
     except SHAPE_ERRORS as e:
         raise shape_error(bundle, e) from e
 
 
-def _inspect(bundle: str, m: dict, as_json: bool) -> None:
-    """Print the summary of ``bundle`` (manifest ``m``)."""
+def _check_qnn_binaries(bundle: str, m: dict, no_verify: bool) -> str | None:
+    """Re-read the bundle's QNN context binaries and check them against the manifest (``llmc.runtime.qnn_binary``):
+    a mismatch raises (a bad bundle); else what was checked, or why not. None: the bundle has no context binaries."""
+    import importlib.util
+
+    q = m.get("qnn") or {}
+    if not q.get("binaries"):
+        return None
+    if no_verify:
+        return "not re-read (--no-verify); the metadata shown is what the compile recorded"
+    if importlib.util.find_spec("onnxruntime_qnn") is None:
+        return "not re-read: onnxruntime-qnn is not installed (pip install 'llmc[qnn]'); the metadata shown is what the compile recorded"
+    from llmc.runtime.qnn_binary import check_binaries
+
+    check_binaries(Path(bundle), q)
+    recorded = all(b.get("info") for b in q["binaries"])
+    return ("re-read: each binary holds the graphs, tensors and SoC the manifest records" if recorded else
+            "re-read: each binary holds the graphs its EP-context models name; the manifest records no binary metadata")
+
+
+def _inspect(bundle: str, m: dict, as_json: bool, qnn_check: str | None = None) -> None:
+    """Print the summary of ``bundle`` (manifest ``m``; ``qnn_check``: what re-reading its context binaries found)."""
     from llmc.runtime.manifest import weight_part_bytes
 
     files = m["files"]
@@ -661,7 +698,7 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
         "decode_program": [s["name"] if s["kind"] == "graph" else f"{s['op']}:{s['name']}" for s in m["decode_program"]] if "decode_program" in m else None,
         "decode_graph": m.get("decode_graph"),
         "total_bytes": sum(f["bytes"] for f in files.values()),
-        "qnn": _qnn_summary(m.get("qnn")),
+        "qnn": _qnn_summary(m.get("qnn"), qnn_check),
         "mlir": sorted({e["dialect"] for g in (m.get("mlir") or {}).values() for e in g.values()}),
         "offload": {k: v for k, v in m["offload"].items() if not isinstance(v, (list, dict))}
         | {k: len(m["offload"][k]) for k in ("resident", "streamed", "row_streamed")}
@@ -726,6 +763,12 @@ def _inspect(bundle: str, m: dict, as_json: bool) -> None:
             click.echo(f"qnn        {q['soc']} (HTP {q['htp_arch']}), {q['graphs']} graph instances in {len(q['binaries'])} context binaries:")
             for i, b in enumerate(q["binaries"]):
                 click.echo(f"  shard {b.get('shard', i):<3} {', '.join(b['files'])}  {b['bytes'] / 1e6:.2f} MB  ({len(b['graphs'])} graphs share its weights)")
+                info = b.get("info")
+                if info:
+                    click.echo(f"            QNN {info['build_id']} (core API {info['core_api']}), SoC model {info['soc_model']}, "
+                               f"HTP {info['htp_arch']}, {len(info['graphs'])} graphs")
+            if q.get("binaries_check"):
+                click.echo(f"  binaries  {q['binaries_check']}")
     pk = summary["package"]
     if pk is not None:
         needs = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in pk["requires"].items())
@@ -893,13 +936,14 @@ _DECODE_PATHS = {"graph": "one call of the decode graph per token", "cpu program
                  "chunk program": "the chunk program's one-row instances"}
 
 
-def _qnn_summary(q):
+def _qnn_summary(q, check: str | None = None):
     if q is None:
         return None
     if "skipped" in q:
         return {"skipped": q["skipped"]}
-    return {"soc": q["soc"], "htp_arch": q["htp_arch"], "versions": q["versions"],
-            "graphs": sum(len(g) for g in q["graphs"].values()), "binaries": q["binaries"]}
+    return {"soc": q["soc"], "htp_arch": q["htp_arch"], "versions": q["versions"], "qnn_sdk_build": q.get("qnn_sdk_build"),
+            "qnn_core_api": q.get("qnn_core_api"), "graphs": sum(len(g) for g in q["graphs"].values()), "binaries": q["binaries"],
+            "binaries_check": check}
 
 
 @cli.command()

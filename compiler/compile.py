@@ -249,7 +249,7 @@ def compile_model(
     bundle_mod.check_output(out)  # a bad -o fails now, not after loading and compiling
     qnn_skip = None
     if target == "npu":
-        from llmc.backends.qnn_backend import SOCS
+        from llmc.backends.qnn_backend import SOCS, check_soc
         from llmc.runtime.qnn import qnn_available
 
         if soc is None:
@@ -258,6 +258,8 @@ def compile_model(
             raise CompileError(f"unknown SoC {soc!r}", hint="choose one of: " + ", ".join(SOCS))
         else:
             qnn_skip = qnn_available()
+            if not qnn_skip:
+                check_soc(soc)  # this QNN build prepares for the SoC (a tiny graph, well under a second), else fail before the slow stages
     default = "npu-qnn" if target == "npu" and not qnn_skip else "cpu-int4" if weight_format == "int4" else target
     check_kv_cache_format(kv_cache)
     auto_kv_cache = kv_cache == "auto"

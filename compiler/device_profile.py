@@ -1,7 +1,8 @@
 """Device profiles: the numbers the cost model reads, each with its source.
 
-A profile is a JSON file (``compiler/profiles/<name>.json`` ships Snapdragon
-8 Gen 2, 8 Gen 3 and 8 Elite)::
+A profile is a JSON file (``compiler/profiles/<name>.json`` ships the Snapdragon
+phones 8 Gen 2, 8 Gen 3, 8 Elite and 8 Elite Gen 5, the Snapdragon X Elite and X Plus
+laptops and the Qualcomm Linux boards QCS6490 and QCS8550; ``llmc profiles`` lists them)::
 
     {"schema": 1, "name": "8gen3", "description": "...",
      "numbers": {"npu.weight_bytes_per_s": {"value": 11.2e9, "source": "..."}, ...}}
@@ -31,6 +32,19 @@ Keys (SI units: seconds, bytes, operations):
   ``storage.small_read_s`` (one random 4 KiB read, the fixed cost of reading a
   table row; default 4 KiB at ``read_bytes_per_s``) — optional.
 
+Optional SoC facts, each with its source (the shipped Snapdragon profiles have them)::
+
+    "qnn": {"part": "SM8750", "htp_arch": "v79", "soc_model": 69, "source": "..."},
+    "platforms": {"names": ["android-aarch64"], "source": "..."}
+
+``qnn`` makes the profile a ``--soc`` choice: ``part`` is the chip's part number,
+``htp_arch`` the Hexagon HTP architecture and ``soc_model`` the QNN ``soc_model``
+id the QNN execution provider prepares context binaries for
+(``llmc.backends.qnn_backend.SOCS`` is read from these); an optional
+``requires`` names the QNN build the SoC needs where the one installed cannot
+prepare for it. ``platforms`` are the operating systems the SoC ships in
+(``android-aarch64``, ``linux-aarch64``, ``windows-arm64``).
+
 Optional ``tables`` hold measured shape-dependent costs: ``cpu.int8_gemv_s`` rows
 ``[K, N, seconds]`` of one one-row int8 matmul with its weights coming from
 memory (a small matmul's fixed cost dominates, so no single rate fits all sizes),
@@ -43,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +71,8 @@ OTHER_KEYS = ("memory.ram_bytes", "storage.read_bytes_per_s")
 # optional measured tables and their row widths
 # K, N, seconds of one one-row QLinear [1,K]x[K,N] with weights from memory, on all threads / on one
 TABLE_COLUMNS = {"cpu.int8_gemv_s": 3, "cpu.int8_gemv_1t_s": 3}
+PLATFORMS = ("android-aarch64", "linux-aarch64", "windows-arm64")
+HTP_ARCH = re.compile(r"v[0-9]{2}")
 
 
 class ProfileError(LlmcError):
@@ -73,6 +90,10 @@ class DeviceProfile:
     path: str
     # measured tables: name -> rows of numbers (e.g. ``cpu.int8_gemv_s``: [K, N, seconds]); sources in ``sources``
     tables: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
+    # SoC facts: {"part", "htp_arch" ("v79"), "soc_model" (int), "source"[, "requires"]}; None for a profile without them
+    qnn: dict[str, Any] | None = None
+    platforms: tuple[str, ...] = ()
+    platforms_source: str = ""
 
     @property
     def has_npu(self) -> bool:
@@ -92,6 +113,10 @@ class DeviceProfile:
              "numbers": {k: {"value": self.values[k], "source": self.sources[k]} for k in sorted(self.values)}}
         if self.tables:
             d["tables"] = {k: {"rows": self.tables[k], "source": self.sources[k]} for k in sorted(self.tables)}
+        if self.qnn:
+            d["qnn"] = dict(self.qnn)
+        if self.platforms:
+            d["platforms"] = {"names": list(self.platforms), "source": self.platforms_source}
         return d
 
 
@@ -105,6 +130,32 @@ def available() -> list[str]:
     if (user_profile_dir() / "host.json").exists():
         names.append("host")
     return names
+
+
+def _text(entry: dict, key: str) -> bool:
+    return isinstance(entry.get(key), str) and bool(entry[key].strip())
+
+
+def _parse_soc(data: dict, where: str) -> tuple[dict[str, Any] | None, tuple[str, ...], str]:
+    """The optional ``qnn`` and ``platforms`` entries, checked."""
+    qnn = data.get("qnn")
+    if qnn is not None:
+        if (not isinstance(qnn, dict) or not _text(qnn, "part") or not _text(qnn, "source")
+                or not isinstance(qnn.get("htp_arch"), str) or not HTP_ARCH.fullmatch(qnn["htp_arch"])
+                or not isinstance(qnn.get("soc_model"), int) or isinstance(qnn["soc_model"], bool) or qnn["soc_model"] <= 0
+                or ("requires" in qnn and not _text(qnn, "requires")) or set(qnn) - {"part", "htp_arch", "soc_model", "source", "requires"}):
+            raise ProfileError(f"{where}: \"qnn\" needs a \"part\" (e.g. \"SM8750\"), an \"htp_arch\" like \"v79\", a positive integer "
+                               f"\"soc_model\" and a non-empty \"source\" (optionally \"requires\"), is {qnn!r}")
+        qnn = {k: qnn[k] for k in ("part", "htp_arch", "soc_model", "source", "requires") if k in qnn}
+    plat = data.get("platforms")
+    names: tuple[str, ...] = ()
+    psource = ""
+    if plat is not None:
+        if (not isinstance(plat, dict) or not _text(plat, "source") or not isinstance(plat.get("names"), list) or not plat["names"]
+                or any(n not in PLATFORMS for n in plat["names"]) or len(set(plat["names"])) != len(plat["names"])):
+            raise ProfileError(f"{where}: \"platforms\" needs \"names\" (a list of distinct: {', '.join(PLATFORMS)}) and a non-empty \"source\", is {plat!r}")
+        names, psource = tuple(plat["names"]), plat["source"]
+    return qnn, names, psource
 
 
 def parse(data: Any, where: str) -> DeviceProfile:
@@ -138,7 +189,21 @@ def parse(data: Any, where: str) -> DeviceProfile:
         missing.append("sync_s")
     if missing:
         raise ProfileError(f"{where} lacks {', '.join(missing)}", hint="every profile needs the cpu.*, memory.ram_bytes and storage.read_bytes_per_s numbers; an NPU needs all npu.* and sync_s")
-    return DeviceProfile(str(data.get("name") or Path(where).stem), str(data.get("description", "")), values, sources, where, tables)
+    qnn, platforms, platforms_source = _parse_soc(data, where)
+    return DeviceProfile(str(data.get("name") or Path(where).stem), str(data.get("description", "")), values, sources, where, tables,
+                         qnn, platforms, platforms_source)
+
+
+def qnn_socs() -> dict[str, DeviceProfile]:
+    """The shipped profiles with QNN SoC facts (the ``--soc`` choices), by name, in name order."""
+    out = {}
+    for path in sorted(PROFILE_DIR.glob("*.json")):
+        p = load(path.stem)
+        if p.qnn:
+            if not p.has_npu:
+                raise ProfileError(f"{p.path} has \"qnn\" SoC facts but no npu.* numbers", hint="a --soc target needs the NPU numbers the cost model plans with")
+            out[path.stem] = p
+    return out
 
 
 def load(name_or_path: str) -> DeviceProfile:
