@@ -153,9 +153,34 @@ def features(path: Path) -> frozenset[str]:
     return frozenset(name for bit, name in ((1, "w8_pack"), (2, "bf16_chunks")) if bits & bit)
 
 
+X86_64 = ("x86_64", "amd64")  # the kernels' source is x86-64 code (immintrin.h, AVX2/AVX-512 paths)
+ELF_MACHINES = {62: "x86_64", 183: "aarch64", 40: "arm", 3: "i386"}  # ELF e_machine -> platform.machine()
+
+
+def elf_machine(path: str | Path) -> str | None:
+    """The architecture an ELF library at ``path`` is built for (as ``platform.machine()`` names it), or None
+    where ``path`` is no ELF file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return None
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    code = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+    return ELF_MACHINES.get(code, f"ELF machine {code}")
+
+
+def _other_arch_hint() -> str:
+    return (f"llmc's native kernels are x86-64 code; on this {platform.machine()} machine compile the bundle "
+            "with --cpu-kernels onnx (the same graphs with ONNX Runtime's stock ops)")
+
+
 def require_library() -> Path:
-    """The library, for a bundle compiled with ``--cpu-kernels native``; a named error when it is not built."""
+    """The library, for a bundle compiled with ``--cpu-kernels native``; a named error when it is not built, or
+    is built for another architecture (a library copied from an x86-64 machine to an aarch64 board)."""
     path = library_path()
+    here = platform.machine().lower()
     if path is None:
         if os.environ.get("LLMC_KERNELS"):
             raise NativeKernelError(f"$LLMC_KERNELS names {os.environ['LLMC_KERNELS']}, which is not a file",
@@ -163,7 +188,12 @@ def require_library() -> Path:
         raise NativeKernelError("this bundle uses llmc's native CPU kernels (compiled with --cpu-kernels native), "
                                 "which are not built on this machine",
                                 hint="build them once with `llmc kernels build` (needs a C++ compiler and ONNX Runtime's "
-                                     "headers, see `llmc kernels build --help`), or compile the bundle with --cpu-kernels onnx")
+                                     "headers, see `llmc kernels build --help`), or compile the bundle with --cpu-kernels onnx"
+                                if here in X86_64 else _other_arch_hint())
+    built_for = elf_machine(path)
+    if built_for is not None and here in ELF_MACHINES.values() and built_for != here and not {built_for, here} <= set(X86_64):
+        raise NativeKernelError(f"this bundle uses llmc's native CPU kernels, and {path} is a library for {built_for}, "
+                                f"not for this {here} machine", hint=_other_arch_hint())
     return path
 
 
@@ -172,6 +202,8 @@ def build(include: str | Path | None = None, cxx: str | None = None, force: bool
     up-to-date library (same source, flags and CPU) is kept unless ``force``: rebuild with it after
     changing the compiler or ONNX Runtime's headers. The library appears whole or not at all. GCC is
     the compiler it is written for (vector extensions, ``__builtin_shuffle``)."""
+    if platform.machine().lower() not in X86_64:
+        raise NativeKernelError(f"llmc's native kernels cannot be built on this {platform.machine()} machine", hint=_other_arch_hint())
     compiler = _compiler(cxx)
     headers = find_headers(include)
     out = cache_dir() / library_name()
