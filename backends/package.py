@@ -226,12 +226,14 @@ def package_bundle(bundle: str | Path, device: str, out: str | Path, contexts: s
         qnn = {k: v for k, v in q.items() if k not in ("graphs", "binaries", "x86_64_route")}
         qnn.update(graphs=qgraphs, binaries=binaries, contexts=contexts)
         if contexts == "unshared" and binaries:  # what the new binaries hold, read back, for the runtime's check
+            import onnx
+
             from llmc.runtime.qnn_binary import check_binaries
 
             # checked against the bundle's QDQ graphs (absolute paths: they stay out of the package)
             with_qdq = {**qnn, "graphs": {n: {r: {**e, "qdq": str((bundle / q["graphs"][n][r]["qdq"]).absolute())} for r, e in by.items()}
                                           for n, by in qgraphs.items()}}
-            for b, info in zip(binaries, check_binaries(root, with_qdq, graphs=True)["binaries"]):
+            for b, info in zip(binaries, check_binaries(root, with_qdq, load_onnx=onnx.load)["binaries"]):
                 b["info"] = info
         by_kind: dict[str, int] = {}
         for p in sorted(root.rglob("*")):

@@ -446,10 +446,12 @@ def emit_qnn(graph: Graph, plan: ChunkPlan, weights: dict[str, dict[str, Any]], 
 def _check_binaries(root: Path, qnn: dict[str, Any]) -> dict[str, Any]:
     """Read back every context binary written (``llmc.runtime.qnn_binary``), check it holds each graph
     instance as its QDQ graph says, and record what it holds in ``qnn``."""
+    import onnx
+
     from llmc.runtime.qnn_binary import QnnBinaryError, check_binaries
 
     try:
-        checked = check_binaries(root, qnn, graphs=True)
+        checked = check_binaries(root, qnn, load_onnx=onnx.load)
     except QnnBinaryError as e:
         raise QnnBackendError(f"the QNN EP wrote a context binary that does not match its graphs: {e}",
                               hint="a bug in llmc or in onnxruntime-qnn; report it with the versions: "

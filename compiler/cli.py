@@ -651,6 +651,15 @@ def inspect(bundle, as_json, no_verify):
         raise shape_error(bundle, e) from e
 
 
+def _onnx_load():
+    """``onnx.load`` where onnx is installed (the compile extra), else None."""
+    try:
+        import onnx
+    except ImportError:
+        return None
+    return onnx.load
+
+
 def _check_qnn_binaries(bundle: str, m: dict, no_verify: bool) -> str | None:
     """Re-read the bundle's QNN context binaries and check them against the manifest (``llmc.runtime.qnn_binary``):
     a mismatch raises (a bad bundle); else what was checked, or why not. None: the bundle has no context binaries."""
@@ -665,7 +674,7 @@ def _check_qnn_binaries(bundle: str, m: dict, no_verify: bool) -> str | None:
         return "not re-read: onnxruntime-qnn is not installed (pip install 'llmc[qnn]'); the metadata shown is what the compile recorded"
     from llmc.runtime.qnn_binary import check_binaries
 
-    check_binaries(Path(bundle), q)
+    check_binaries(Path(bundle), q, load_onnx=_onnx_load())
     recorded = all(b.get("info") for b in q["binaries"])
     return ("re-read: each binary holds the graphs, tensors and SoC the manifest records" if recorded else
             "re-read: each binary holds the graphs its EP-context models name; the manifest records no binary metadata")

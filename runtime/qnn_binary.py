@@ -29,7 +29,7 @@ import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from llmc.runtime.errors import BundleError
 
@@ -486,9 +486,8 @@ def _instances(qnn: dict[str, Any]):
             yield f"{name}.r{rows}", e
 
 
-def _from_graphs(root: Path, qnn: dict[str, Any]) -> list[_Expected]:
-    """The instances as the QDQ graphs and the EP-context models in ``root`` say (needs onnx)."""
-    import onnx
+def _from_graphs(root: Path, qnn: dict[str, Any], load_onnx: Callable[..., Any]) -> list[_Expected]:
+    """The instances as the QDQ graphs and the EP-context models in ``root`` say (``load_onnx``: ``onnx.load``)."""
 
     def io(values):
         out = []
@@ -503,10 +502,10 @@ def _from_graphs(root: Path, qnn: dict[str, Any]) -> list[_Expected]:
             continue
         ins = outs = qnn_graph = None
         if e.get("qdq") and (root / e["qdq"]).is_file():  # a device package holds none
-            qdq = onnx.load(root / e["qdq"], load_external_data=False).graph
+            qdq = load_onnx(root / e["qdq"], load_external_data=False).graph
             ins, outs = io(qdq.input), io(qdq.output)
         if e.get("context") and (root / e["context"]).is_file():
-            ctx = onnx.load(root / e["context"], load_external_data=False).graph
+            ctx = load_onnx(root / e["context"], load_external_data=False).graph
             qnn_graph = next((n.name for n in ctx.node if n.op_type == "EPContext"), None)
         exp.append(_Expected(inst, e["binary"], qnn_graph, e["io_prefix"], ins, outs))
     return exp
@@ -602,28 +601,21 @@ def _record(rel_files: list[str], infos: list[BinaryInfo], expected: list[_Expec
             "htp_arch": f"v{head.htp_arch}" if head.htp_arch else None, "graphs": graphs}
 
 
-def _onnx_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("onnx") is not None
-
-
-def check_binaries(root: Path, qnn: dict[str, Any], graphs: bool | None = None) -> dict[str, Any]:
+def check_binaries(root: Path, qnn: dict[str, Any], load_onnx: Callable[..., Any] | None = None) -> dict[str, Any]:
     """Read every context binary of the ``qnn`` manifest section under ``root`` and check it.
 
     Each binary must hold exactly the graph instances the manifest places in it, by the name its
     EP-context model gives (the EPContext node's name), with the QDQ graph's input and output names
     (carrying the instance's ``io_prefix``), shapes and data types, for the manifest's SoC model and HTP
     arch where the binary says them. Where the manifest records binary info (``binaries[i]["info"]``)
-    the binary must match that too, build id included. ``graphs``: also compare with the QDQ and
-    EP-context ONNX files (default: when onnx is installed).
+    the binary must match that too, build id included. ``load_onnx`` (``onnx.load``, which the runtime
+    does not depend on): also compare with the QDQ and EP-context ONNX files.
 
     Returns ``{"qnn_sdk_build", "qnn_core_api", "binaries": [info per shard]}``; raises
     :class:`QnnBinaryError` naming the binary and the graph on a mismatch.
     """
     root = Path(root)
-    use_graphs = _onnx_available() if graphs is None else graphs
-    expected = _from_graphs(root, qnn) if use_graphs else []
+    expected = _from_graphs(root, qnn, load_onnx) if load_onnx is not None else []
     recorded_expected = _from_manifest(qnn)
     shards = qnn.get("binaries", [])
     files = [f for b in shards for f in b["files"]]
@@ -665,7 +657,7 @@ def verify_binary(bundle: Path, rel: str, qnn: dict[str, Any]) -> None:
     if key in _verified:
         return
     one = {**qnn, "binaries": [{**shard, "files": [rel]}]}
-    check_binaries(Path(bundle), one, graphs=False)
+    check_binaries(Path(bundle), one)
     _verified[key] = True
 
 
