@@ -759,7 +759,7 @@ def _inspect(bundle: str, m: dict, as_json: bool, qnn_check: str | None = None) 
             click.echo(f"prefill    one call of {summary['decode_graph']} per chunk of up to {m['chunk']} tokens when the CPU runs both phases "
                        f"(its chunk instance)")
     if dsteps and chunk_graph:
-        click.echo(f"           (runtimes before the chunk instance: {len(dsteps)} steps per chunk, fuse_cpu_decode: {' -> '.join(dsteps[:6])} -> ...)")
+        click.echo(f"           (also in the bundle: the CPU program, fuse_cpu_decode, {len(dsteps)} steps per chunk: {' -> '.join(dsteps[:6])} -> ...)")
     elif dsteps and summary["decode_graph"]:
         click.echo(f"prefill    {len(dsteps)} steps per chunk when the CPU prefills (fuse_cpu_decode): {' -> '.join(dsteps[:6])} -> ...")
     elif dsteps:

@@ -298,7 +298,7 @@ def test_inspect_shows_decode_program_placement_and_predictions(npu_bundle):
     m = json.loads((npu_bundle / "manifest.json").read_text())
     assert lines["decode"].startswith(f"decode     one call of {m['decode_graph']} per token")
     assert lines["prefill"].startswith(f"prefill    one call of {m['decode_graph']} per chunk of up to {CHUNK} tokens")
-    assert f"(runtimes before the chunk instance: {len(m['decode_program'])} steps per chunk, fuse_cpu_decode" in r.output
+    assert f"(also in the bundle: the CPU program, fuse_cpu_decode, {len(m['decode_program'])} steps per chunk" in r.output
     assert "(8gen3) prefill:" in lines["placement"] and "decode: 0 on NPU" in lines["placement"]
     pred = m["schedule"]["predicted"]
     assert f"decode {pred['decode_tok_s']:.1f} tok/s" in lines["predicted"]
