@@ -62,18 +62,13 @@ class PackageSummary:
         return sum(self.bytes_by_kind.values())
 
 
+# (path prefix, suffix, kind) of a package's files, first match wins
+_KINDS = (("weights/", "", "weights"), ("qnn/", ".bin", "context binaries"), ("qnn/", "", "context models"),
+          ("graphs/", "", "cpu graphs"), ("tokenizer/", "", "tokenizer"))
+
+
 def _kind(rel: str) -> str:
-    if rel.startswith("weights/"):
-        return "weights"
-    if rel.endswith(".bin") and rel.startswith("qnn/"):
-        return "context binaries"
-    if rel.startswith("qnn/"):
-        return "context models"
-    if rel.startswith("graphs/"):
-        return "cpu graphs"
-    if rel.startswith("tokenizer/"):
-        return "tokenizer"
-    return "other"
+    return next((kind for prefix, suffix, kind in _KINDS if rel.startswith(prefix) and rel.endswith(suffix)), "other")
 
 
 def _platforms(device: str) -> tuple[str, ...]:

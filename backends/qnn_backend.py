@@ -43,7 +43,7 @@ from llmc.analyses import ChunkPlan, Subgraph, ValueRanges
 from llmc.errors import LlmcError
 from llmc.ir import Graph, Node
 from llmc.runtime.manifest import map_weights
-from llmc.runtime.qnn import provider_options, qnn_available, register_qnn
+from llmc.runtime.qnn import provider_options, qnn_available, qnn_session, register_qnn
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ def probe_soc(soc: str, workdir: Path) -> dict[str, Any]:
     so = _session_options(ort, oq, devices, soc, {}, [], {"ep.context_enable": "1", "ep.context_file_path": str(ctx), "ep.context_embed_mode": "0"})
     build = f"onnxruntime-qnn {versions()['onnxruntime_qnn']} (QNN {getattr(oq, 'qnn_version', None) or _qnn_version()})"
     try:
-        ort.InferenceSession(_probe_model(), so)
+        qnn_session(ort, _probe_model(), so)
         bins = sorted(workdir.glob(f"probe_{soc}_ctx*.bin"))
         if not ctx.is_file() or not bins:
             raise RuntimeError("no context binary was written")

@@ -155,6 +155,19 @@ def calib_words(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qnn_bundle(tmp_path_factory, model_dirs, calib_words):
+    """The llama bundle with QNN context binaries for 8gen3, every graph placed on the NPU (compiled once;
+    tests that change it change a copy). Its users skip without onnxruntime-qnn."""
+    from llmc.compile import compile_model
+
+    out = tmp_path_factory.mktemp("qnn") / "b"
+    s = compile_model(str(model_dirs("llama")), out, target="npu", soc="8gen3", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=512,
+                      calib_file=str(calib_words), placement="npu")
+    assert "QNN HTP v75 for 8gen3" in s.qnn
+    return out
+
+
+@pytest.fixture(scope="session")
 def bundles(tmp_path_factory, model_dirs):
     """family -> bundle compiled with chunk 8, max-context 64 (compiled once)."""
     from llmc.compile import compile_model

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import CHUNK, MAX_CONTEXT, write_manifest
+from conftest import write_manifest
 
 pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (pip install 'llmc[qnn]')")
 
@@ -18,23 +18,12 @@ PROMPT = [1, 5, 7, 9, 11, 13, 2, 40, 50, 60, 3]  # two chunks of 8
 
 
 @pytest.fixture(scope="module")
-def npu_bundle(tmp_path_factory, model_dirs, calib_words):
-    """Every graph of the chunk program placed on the NPU of 8gen3."""
-    from llmc.compile import compile_model
-
-    out = tmp_path_factory.mktemp("pkg") / "b"
-    compile_model(str(model_dirs("llama")), out, target="npu", soc="8gen3", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=512,
-                  calib_file=str(calib_words), placement="npu")
-    return out
-
-
-@pytest.fixture(scope="module")
-def cpu_plan_bundle(npu_bundle, tmp_path_factory):
+def cpu_plan_bundle(qnn_bundle, tmp_path_factory):
     """The same bundle with a plan that places every graph on the CPU (the cost model's choice for small models)."""
     from llmc.runtime import load_manifest
 
     b = tmp_path_factory.mktemp("pkg-cpu") / "b"
-    shutil.copytree(npu_bundle, b)
+    shutil.copytree(qnn_bundle, b)
     m = load_manifest(b)
     for phase in ("prefill", "decode"):
         m["placement"][phase] = {name: "cpu" for name in m["placement"][phase]}
@@ -48,12 +37,12 @@ def _tokens(bundle, provider: str) -> list[int]:
     return Session(bundle, provider=provider).generate(PROMPT, 8, stop_at_eos=False).token_ids
 
 
-def test_package_holds_only_the_files_the_device_reads(npu_bundle, tmp_path):
+def test_package_holds_only_the_files_the_device_reads(qnn_bundle, tmp_path):
     from llmc.backends.package import package_bundle
     from llmc.runtime import load_manifest
 
-    s = package_bundle(npu_bundle, "8gen3", tmp_path / "p")
-    b, p = load_manifest(npu_bundle), load_manifest(tmp_path / "p")  # the package's hashes check
+    s = package_bundle(qnn_bundle, "8gen3", tmp_path / "p")
+    b, p = load_manifest(qnn_bundle), load_manifest(tmp_path / "p")  # the package's hashes check
     q = b["qnn"]
     expected = {"tokenizer/tokenizer.json", "weights/weights.bin"}
     for by_rows in q["graphs"].values():
@@ -70,28 +59,28 @@ def test_package_holds_only_the_files_the_device_reads(npu_bundle, tmp_path):
     assert s.total_bytes < sum(f["bytes"] for f in b["files"].values())
 
 
-def test_package_weights_are_those_the_cpu_reads(npu_bundle, tmp_path):
+def test_package_weights_are_those_the_cpu_reads(qnn_bundle, tmp_path):
     from llmc.backends.package import package_bundle
     from llmc.runtime import load_manifest
     from llmc.runtime.manifest import map_weights
 
-    package_bundle(npu_bundle, "8gen3", tmp_path / "p")
-    b, p = load_manifest(npu_bundle), load_manifest(tmp_path / "p")
+    package_bundle(qnn_bundle, "8gen3", tmp_path / "p")
+    b, p = load_manifest(qnn_bundle), load_manifest(tmp_path / "p")
     op_weights = {w for st in b["program"] if st["kind"] == "op" for w in st.get("weights", {}).values()}
     assert set(p["weights"]) == op_weights  # every graph runs on the NPU: its context binaries hold the rest
     assert set(b["weights"]) - op_weights  # (the case is not vacuous: some weights only the NPU graphs read)
-    ours, theirs = map_weights(tmp_path / "p", p["weights"]), map_weights(npu_bundle, b["weights"])
+    ours, theirs = map_weights(tmp_path / "p", p["weights"]), map_weights(qnn_bundle, b["weights"])
     for name in p["weights"]:
         assert np.array_equal(ours[name], theirs[name]) and p["weights"][name]["offset"] % 64 == 0
 
 
-def test_unshared_package_runs_like_the_bundle_and_reads_all_it_holds(npu_bundle, tmp_path, monkeypatch):
+def test_unshared_package_runs_like_the_bundle_and_reads_all_it_holds(qnn_bundle, tmp_path, monkeypatch):
     from llmc.backends.package import package_bundle
     from llmc.runtime import Session, load_manifest
     from llmc.runtime import session as session_module
 
-    bundle_tokens = _tokens(npu_bundle, "qnn")  # the x86_64 route: the QDQ graphs prepared in-session
-    package_bundle(npu_bundle, "8gen3", tmp_path / "p", contexts="unshared")
+    bundle_tokens = _tokens(qnn_bundle, "qnn")  # the x86_64 route: the QDQ graphs prepared in-session
+    package_bundle(qnn_bundle, "8gen3", tmp_path / "p", contexts="unshared")
     p = load_manifest(tmp_path / "p")
     assert p["qnn"]["contexts"] == "unshared" and len(p["qnn"]["binaries"]) == sum(len(v) for v in p["qnn"]["graphs"].values())
     opened: set[str] = set()
@@ -115,14 +104,14 @@ def test_unshared_package_runs_like_the_bundle_and_reads_all_it_holds(npu_bundle
     assert opened | binaries == set(p["files"])
 
 
-def test_shared_package_is_for_the_device(npu_bundle, tmp_path):
+def test_shared_package_is_for_the_device(qnn_bundle, tmp_path):
     from click.testing import CliRunner
 
     from llmc.backends.package import package_bundle
     from llmc.cli import cli
     from llmc.runtime import ProviderError, Session
 
-    package_bundle(npu_bundle, "8gen3", tmp_path / "p")
+    package_bundle(qnn_bundle, "8gen3", tmp_path / "p")
     with pytest.raises(ProviderError, match="weight-shared context binaries load on the device"):
         Session(tmp_path / "p", provider="qnn", lazy=True)  # the simulator cannot load them, and no QDQ graph is there
     with pytest.raises(ProviderError, match="holds no CPU instance"):
@@ -148,7 +137,7 @@ def test_package_of_a_cpu_plan_runs_on_the_cpu(cpu_plan_bundle, tmp_path):
     assert _tokens(tmp_path / "p", "cpu") == want and _tokens(tmp_path / "p", "qnn") == want
 
 
-def test_package_refusals(npu_bundle, bundles, tmp_path):
+def test_package_refusals(qnn_bundle, bundles, tmp_path):
     from click.testing import CliRunner
 
     from llmc.cli import cli
@@ -156,16 +145,16 @@ def test_package_refusals(npu_bundle, bundles, tmp_path):
     def package(bundle, device, out):
         return CliRunner().invoke(cli, ["package", str(bundle), "--device", device, "-o", str(out)])
 
-    r = package(npu_bundle, "8elite", tmp_path / "a")
+    r = package(qnn_bundle, "8elite", tmp_path / "a")
     assert r.exit_code == 2 and "context binaries for 8gen3" in r.output and "--soc 8elite" in r.output
     r = package(bundles("llama"), "8gen3", tmp_path / "b")
     assert r.exit_code == 2 and "no QNN context binaries" in r.output
-    assert package(npu_bundle, "8gen3", tmp_path / "p").exit_code == 0
+    assert package(qnn_bundle, "8gen3", tmp_path / "p").exit_code == 0
     r = package(tmp_path / "p", "8gen3", tmp_path / "pp")
     assert r.exit_code == 2 and "already a package" in r.output
     other = tmp_path / "photos"
     other.mkdir()
     (other / "cat.jpg").write_bytes(b"\xff\xd8")
-    r = package(npu_bundle, "8gen3", other)
+    r = package(qnn_bundle, "8gen3", other)
     assert r.exit_code == 2 and "not an llmc bundle" in r.output and (other / "cat.jpg").exists()
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and "Traceback" not in r.output

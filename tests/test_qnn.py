@@ -13,17 +13,6 @@ from conftest import CHUNK, MAX_CONTEXT
 pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (pip install 'llmc[qnn]')")
 
 
-@pytest.fixture(scope="module")
-def qnn_bundle(tmp_path_factory, model_dirs, calib_words):
-    from llmc.compile import compile_model
-
-    out = tmp_path_factory.mktemp("qnn") / "b"
-    s = compile_model(str(model_dirs("llama")), out, target="npu", soc="8gen3", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=512,
-                      calib_file=str(calib_words), placement="npu")
-    assert "QNN HTP v75 for 8gen3" in s.qnn
-    return out
-
-
 def test_manifest_records_qnn(qnn_bundle):
     from llmc.runtime import load_manifest
 

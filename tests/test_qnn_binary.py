@@ -16,16 +16,6 @@ from conftest import CHUNK, MAX_CONTEXT
 pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (pip install 'llmc[qnn]')")
 
 
-@pytest.fixture(scope="module")
-def qnn_bundle(tmp_path_factory, model_dirs, calib_words):
-    from llmc.compile import compile_model
-
-    out = tmp_path_factory.mktemp("qnn-binary") / "b"
-    compile_model(str(model_dirs("llama")), out, target="npu", soc="8gen3", chunk=CHUNK, max_context=MAX_CONTEXT, calib_tokens=512,
-                  calib_file=str(calib_words), placement="npu")
-    return out
-
-
 def _copy(bundle: Path, tmp_path: Path) -> tuple[Path, dict, str]:
     """A copy of ``bundle``, its manifest and its (only) context binary's path."""
     out = tmp_path / "copy"
